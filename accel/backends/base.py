@@ -1,0 +1,56 @@
+"""The backend seam: the whole training step, not backward()/optimizer.step().
+
+torchax needs a pure step function carrying weights and optimizer state, so the seam sits around
+the full optimizer step (micro-batches, gradient averaging, clipping, update). Each backend lives in
+one file of this package and is found by name; its framework imports stay inside that file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from models.factory import ImageClassifier
+
+Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 NCHW images, float soft targets
+
+
+class BackendUnavailable(RuntimeError):
+    """The backend cannot run here (missing package, version mismatch): one line, exit 2."""
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def setup(self, model: ImageClassifier) -> None:
+        """Place the model, build the optimizer and whatever the step needs."""
+
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
+        """Move host batches to the device, prefetching where the backend can."""
+
+    def train_step(self, micro_batches: list[Any], lr: float) -> Any:
+        """One optimizer step over `micro_batches` (gradient accumulation); returns a loss handle
+        that stays on the device until `fetch_losses`."""
+
+    def fetch_losses(self, losses: list[Any]) -> list[float]:
+        """Host values of loss handles, averaged over ranks: one sync for the whole group."""
+
+    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
+        """Mean loss and top-1 accuracy over masked, padded batches, reduced over ranks."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """{'model': fp32 torch state dict, 'optimizer': torch optimizer state dict, ...}."""
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def synchronize(self) -> None:
+        """Wait for queued device work (for timing)."""
+
+    def mark_warmup_done(self) -> None:
+        """Start counting compiles from here on."""
+
+    def stats(self) -> dict[str, Any]:
+        """compiles_after_warmup, fallback_ops and whatever else the backend can tell."""

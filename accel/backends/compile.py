@@ -1,0 +1,44 @@
+"""torch.compile (inductor) backend: the eager backend with a compiled model."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.backends.eager import EagerBackend
+from accel.config import RunConfig
+from accel.distributed import DistContext
+
+KERNEL_OPTS = "as eager, plus inductor's max-autotune mode"
+
+
+def require() -> None:
+    """torch.compile ships with torch."""
+
+
+def build(cfg: RunConfig, ctx: DistContext) -> CompileBackend:
+    return CompileBackend(cfg, ctx)
+
+
+def _frames_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return int(counters["frames"]["ok"])
+
+
+class CompileBackend(EagerBackend):
+    name = "compile"
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        self._frames_at_warmup = 0
+        mode = "max-autotune-no-cudagraphs" if self.cfg.kernel_opt else None
+        return torch.compile(model, mode=mode)
+
+    def mark_warmup_done(self) -> None:
+        self._frames_at_warmup = _frames_compiled()
+
+    def stats(self) -> dict[str, Any]:
+        return {**super().stats(), "graphs_compiled": _frames_compiled(),
+                "compiles_after_warmup": _frames_compiled() - self._frames_at_warmup}

@@ -1,0 +1,72 @@
+"""Run configuration: small dataclasses filled by the CLI and saved in the run folder."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from data.collate import MixupConfig
+from data.loaders import DataConfig
+from models.factory import ModelConfig
+
+BACKENDS = ("eager", "compile", "xla", "jax")
+AMP_LEVELS = ("O0", "O1", "O2", "O3")
+
+
+class ConfigError(ValueError):
+    """Bad user input: reported as one line with exit code 2."""
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-3
+    weight_decay: float = 0.05
+    betas: tuple[float, float] = (0.9, 0.999)
+    warmup_steps: int = 0
+    min_lr: float = 1e-6
+    clip_grad: float = 1.0  # max gradient norm; 0 turns clipping off
+    grad_accum: int = 1
+
+
+@dataclass
+class RunConfig:
+    backend: str = "eager"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    batch_size: int = 32  # per device and micro-step
+    steps: int = 0  # optimizer steps; 0 means use epochs
+    epochs: int = 0
+    amp_level: str = "O0"
+    amp_dtype: str = "bfloat16"
+    kernel_opt: bool = False
+    seed: int = 0
+    output: str = "runs"
+    run_name: str = ""
+    save_every: int = 0  # steps between checkpoints; 0 saves only at the end
+    keep_checkpoints: int = 3
+    resume: str = ""  # "", "auto" or a checkpoint path
+    log_every: int = 10
+    eval: bool = True
+    timing_warmup_steps: int = 2  # steps left out of images_per_sec
+    nproc_per_node: int = 1
+    backend_options: dict = field(default_factory=dict)
+
+    def run_dir(self) -> Path:
+        return Path(self.output) / self.model.name / self.backend / self.run_name
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+
+def config_from_dict(raw: dict) -> RunConfig:
+    """Inverse of dataclasses.asdict for RunConfig (used when reading a saved config)."""
+    raw = dict(raw)
+    data = dict(raw.pop("data"))
+    data["mixup"] = MixupConfig(**data["mixup"])
+    optim = dict(raw.pop("optim"))
+    optim["betas"] = tuple(optim["betas"])
+    return RunConfig(model=ModelConfig(**raw.pop("model")), data=DataConfig(**data),
+                     optim=OptimConfig(**optim), **raw)

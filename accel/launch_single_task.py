@@ -1,0 +1,216 @@
+"""launch_single_task: train one timm Swin/ViT job on the chosen backend.
+
+`--nproc_per_node N` re-launches this module N times through torch.distributed.run (torchrun).
+`USE_ACCEL=1` selects the XLA compiler path when `--backend` is not given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from datetime import datetime
+from pathlib import Path
+
+START = time.perf_counter()
+
+from accel.backends import BackendUnavailable, backend_module  # noqa: E402
+from accel.config import AMP_LEVELS, BACKENDS, ConfigError, OptimConfig, RunConfig  # noqa: E402
+from accel.distributed import (  # noqa: E402
+    destroy_process_group,
+    env_context,
+    init_process_group,
+    launched_by_torchrun,
+)
+from data.collate import MixupConfig  # noqa: E402
+from data.folder import BadImageError, DatasetError  # noqa: E402
+from data.loaders import DataConfig, dataset_num_classes  # noqa: E402
+from models.factory import ModelConfig, UnknownModelError, check_model_name  # noqa: E402
+
+USER_ERRORS = (ConfigError, BackendUnavailable, UnknownModelError, DatasetError, BadImageError)
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2 (no usage block)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="launch_single_task", description=__doc__,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--backend", choices=BACKENDS, default=None,
+                   help="default: eager, or the XLA path when USE_ACCEL=1")
+    p.add_argument("--model", default="vit_micro", help="any timm model name, or vit_micro/swin_micro")
+    p.add_argument("--pool", choices=("token", "avg"), default="token", help="classifier pooling")
+    p.add_argument("--data", default="synthetic", help="'synthetic' or an ImageNet-layout folder")
+    p.add_argument("--num_classes", type=int, default=10, help="synthetic data only")
+    p.add_argument("--synthetic_length", type=int, default=1024)
+    p.add_argument("--batch_size", type=int, default=32, help="per device and micro-step")
+    length = p.add_mutually_exclusive_group()
+    length.add_argument("--steps", type=int, default=0, help="optimizer steps")
+    length.add_argument("--epochs", type=int, default=0)
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight_decay", type=float, default=0.05)
+    p.add_argument("--warmup_steps", type=int, default=0)
+    p.add_argument("--clip_grad", type=float, default=1.0, help="max grad norm, 0 = off")
+    p.add_argument("--amp_level", default="O0", help=f"one of {', '.join(AMP_LEVELS)}")
+    p.add_argument("--amp_dtype", choices=("bfloat16", "float16"), default="bfloat16")
+    p.add_argument("--kernel-opt", dest="kernel_opt", action="store_true",
+                   help="fused paths: eager/compile: fused (CUDA) or foreach AdamW, compile "
+                        "max-autotune; xla: syncfree AdamW; jax: jax.nn.dot_product_attention")
+    p.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (0 = off)")
+    p.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (0 = off)")
+    p.add_argument("--mixup_off_epoch", type=int, default=0, help="stop mixup from this epoch")
+    p.add_argument("--label_smoothing", type=float, default=0.1)
+    p.add_argument("--workers", type=int, default=2, help="data loader workers per process")
+    p.add_argument("--strict-data", dest="strict_data", action="store_true",
+                   help="stop at the first unreadable image instead of skipping it")
+    p.add_argument("--nproc_per_node", type=int, default=1)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output", default="runs")
+    p.add_argument("--run_name", default="", help="default: a timestamp")
+    p.add_argument("--save_every", type=int, default=0, help="steps between checkpoints")
+    p.add_argument("--keep_checkpoints", type=int, default=3)
+    p.add_argument("--resume", default="", help="'auto' (latest of this run) or a checkpoint path")
+    p.add_argument("--log_every", type=int, default=10)
+    p.add_argument("--no-eval", dest="eval", action="store_false", help="skip final evaluation")
+    return p
+
+
+def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, str]:
+    """(backend, why) from --backend and USE_ACCEL."""
+    if requested:
+        return requested, "--backend"
+    if env.get("USE_ACCEL", "0") not in ("", "0"):
+        import torch
+
+        if torch.cuda.is_available():
+            return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
+        return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
+    return "eager", "default (USE_ACCEL unset)"
+
+
+def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
+    mixup = MixupConfig(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
+                        off_epoch=args.mixup_off_epoch)
+    data = DataConfig(source=args.data, num_classes=args.num_classes,
+                      synthetic_length=args.synthetic_length, workers=args.workers,
+                      label_smoothing=args.label_smoothing, mixup=mixup, strict=args.strict_data)
+    optim = OptimConfig(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
+                        clip_grad=args.clip_grad, grad_accum=args.grad_accum)
+    return RunConfig(
+        backend=backend, model=ModelConfig(args.model, args.num_classes, args.pool), data=data,
+        optim=optim, batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
+        amp_level=args.amp_level, amp_dtype=args.amp_dtype, kernel_opt=args.kernel_opt,
+        seed=args.seed, output=args.output, run_name=args.run_name, save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
+        eval=args.eval, nproc_per_node=args.nproc_per_node)
+
+
+def validate(cfg: RunConfig) -> None:
+    """Fail fast, before any process starts, on input that cannot work."""
+    if cfg.amp_level not in AMP_LEVELS:
+        raise ConfigError(f"unknown AMP level '{cfg.amp_level}' (choose from "
+                          f"{', '.join(AMP_LEVELS)})")
+    check_model_name(cfg.model.name)
+    if cfg.batch_size < 1 or cfg.optim.grad_accum < 1 or cfg.nproc_per_node < 1:
+        raise ConfigError("--batch_size, --grad_accum and --nproc_per_node must be >= 1")
+    if cfg.data.mixup.enabled and cfg.batch_size % 2:
+        raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
+    if cfg.steps < 0 or cfg.epochs < 0 or not (cfg.steps or cfg.epochs):
+        raise ConfigError("give a positive --steps or --epochs")
+    if not cfg.data.is_synthetic:
+        dataset_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
+    _check_gpu_count(cfg)
+    backend_module(cfg.backend)  # raises BackendUnavailable with the install command
+
+
+def _check_gpu_count(cfg: RunConfig) -> None:
+    if cfg.backend not in ("eager", "compile"):
+        return
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if gpus and cfg.nproc_per_node > gpus:
+        raise ConfigError(f"--nproc_per_node {cfg.nproc_per_node} exceeds the {gpus} visible GPUs")
+
+
+def resolve_run_name(cfg: RunConfig) -> str:
+    """The run folder name: given, the latest run when resuming, or a new timestamp."""
+    if cfg.run_name:
+        return cfg.run_name
+    parent = Path(cfg.output) / cfg.model.name / cfg.backend
+    if cfg.resume == "auto" and parent.is_dir():
+        runs = sorted((p for p in parent.iterdir() if (p / "checkpoints").is_dir()),
+                      key=lambda p: p.stat().st_mtime)
+        if runs:
+            return runs[-1].name
+    return datetime.now().strftime("run-%Y%m%d-%H%M%S-%f")
+
+
+def spawn(cfg: RunConfig, argv: list[str]) -> int:
+    """Start nproc_per_node copies of this module through torchrun."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun
+
+    args = ["--standalone", f"--nproc_per_node={cfg.nproc_per_node}", "--module",
+            "accel.launch_single_task", *argv, "--backend", cfg.backend, "--run_name",
+            cfg.run_name]
+    try:
+        torchrun(args)
+    except ChildFailedError as err:
+        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in err.failures.items())
+        print(f"launch_single_task: error: training failed on {ranks}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def one_line(err: BaseException) -> str:
+    """Errors re-raised from data workers carry the worker traceback: keep its last line."""
+    lines = [line for line in str(err).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else type(err).__name__
+    name = type(err).__name__
+    return last.split(f"{name}: ", 1)[-1]
+
+
+def run(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    backend, why = resolve_backend(args.backend, dict(os.environ))
+    cfg = config_from_args(args, backend)
+    ctx = env_context()
+    if ctx.is_main:
+        print(f"accel: backend {backend} ({why})", flush=True)
+    validate(cfg)
+    cfg.run_name = resolve_run_name(cfg)
+    if cfg.nproc_per_node > 1 and not launched_by_torchrun():
+        return spawn(cfg, argv)
+    from accel.train import Trainer
+
+    init_process_group(ctx)
+    try:
+        summary = Trainer(cfg, ctx, START).train()
+    finally:
+        destroy_process_group()
+    if ctx.is_main:
+        print(f"accel: {summary['images_per_sec']:.1f} img/s ({backend}, {cfg.model.name}, "
+              f"world size {ctx.world_size}); summary in {cfg.run_dir() / 'summary.json'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        return run(sys.argv[1:] if argv is None else argv)
+    except USER_ERRORS as err:
+        print(f"launch_single_task: error: {one_line(err)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("launch_single_task: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

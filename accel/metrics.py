@@ -1,0 +1,73 @@
+"""Run outputs: human log, per-rank metrics.jsonl, TensorBoard events and summary.json."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from accel.distributed import DistContext
+
+
+def metrics_filename(rank: int) -> str:
+    """Rank 0 writes metrics.jsonl; other ranks metrics.rank<r>.jsonl beside it."""
+    return "metrics.jsonl" if rank == 0 else f"metrics.rank{rank}.jsonl"
+
+
+def _finite_or_none(value: Any) -> Any:
+    return value if not isinstance(value, float) or math.isfinite(value) else None
+
+
+class RunLogger:
+    def __init__(self, run_dir: Path, ctx: DistContext, tensorboard: bool = True):
+        self.run_dir = run_dir
+        self.ctx = ctx
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics = open(run_dir / metrics_filename(ctx.rank), "a", buffering=1)
+        self.log = logging.getLogger(f"accel.run.{ctx.rank}")
+        self.log.setLevel(logging.INFO)
+        self.log.propagate = False
+        self.log.handlers.clear()
+        if ctx.is_main:
+            fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
+            for handler in (logging.FileHandler(run_dir / "train.log"),
+                            logging.StreamHandler(sys.stdout)):
+                handler.setFormatter(fmt)
+                self.log.addHandler(handler)
+        self.tb = None
+        if tensorboard and ctx.is_main:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(run_dir / "tensorboard"))
+
+    def info(self, message: str) -> None:
+        self.log.info(message)
+
+    def record(self, kind: str, **fields: Any) -> None:
+        """One JSON line (non-finite floats become null, so the file stays valid JSON)."""
+        row = {"kind": kind, "rank": self.ctx.rank,
+               **{k: _finite_or_none(v) for k, v in fields.items()}}
+        self.metrics.write(json.dumps(row) + "\n")
+
+    def scalars(self, step: int, **values: float) -> None:
+        if self.tb is not None:
+            for name, value in values.items():
+                self.tb.add_scalar(name, value, step)
+
+    def write_summary(self, summary: dict[str, Any]) -> Path:
+        path = self.run_dir / "summary.json"
+        tmp = path.with_suffix(".json.tmp")
+        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        tmp.replace(path)
+        return path
+
+    def close(self) -> None:
+        self.metrics.close()
+        if self.tb is not None:
+            self.tb.close()
+        for handler in self.log.handlers:
+            handler.close()
+        self.log.handlers.clear()

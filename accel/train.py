@@ -1,0 +1,252 @@
+"""The training loop, the same for every backend: data, schedule, logging, checkpoints, summary."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from accel import checkpoint as ckpt
+from accel.backends import Backend, create_backend
+from accel.config import ConfigError, RunConfig
+from accel.distributed import DistContext
+from accel.metrics import RunLogger
+from accel.optim import LRSchedule
+from data.loaders import build_eval_loader, build_train_loader, dataset_num_classes
+from models.factory import create_model
+
+
+@dataclass
+class LoopState:
+    step: int = 0  # optimizer steps done
+    epoch: int = 0
+    batch_in_epoch: int = 0  # loader batches consumed in the current epoch
+    losses: list[float] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Timer:
+    start: float
+    first_step_s: float = float("nan")
+    warm_t: float = float("nan")
+    warm_step: int = 0
+    data_wait_s: float = 0.0
+    loop_s: float = 0.0
+
+
+class SkipTracker:
+    """Collects the unreadable files that workers skipped; warns once per file."""
+
+    def __init__(self, state: LoopState, logger: RunLogger):
+        self.seen = set(state.skipped)
+        self.state = state
+        self.logger = logger
+
+    def add(self, paths: Iterable[str]) -> None:
+        for path in paths:
+            if path not in self.seen:
+                self.seen.add(path)
+                self.state.skipped.append(path)
+                warnings.warn(f"skipped unreadable image {path}", stacklevel=2)
+                self.logger.record("skipped_image", path=path)
+
+
+def host_batches(loader: Iterable[dict], tracker: SkipTracker) -> Iterator[tuple]:
+    for batch in loader:
+        tracker.add(batch["skipped"])
+        yield batch["images"], batch["targets"]
+
+
+def timed_groups(stream: Iterator[Any], size: int, timer: Timer) -> Iterator[list[Any]]:
+    """Groups of `size` micro-batches, adding the time spent waiting for them to the timer."""
+    while True:
+        t = time.perf_counter()
+        group = []
+        for item in stream:
+            group.append(item)
+            if len(group) == size:
+                break
+        timer.data_wait_s += time.perf_counter() - t
+        if len(group) < size:
+            return
+        yield group
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, ctx: DistContext, start_time: float | None = None):
+        self.cfg = cfg
+        self.ctx = ctx
+        self.timer = Timer(start_time if start_time is not None else time.perf_counter())
+        seed_everything(cfg.seed)
+        cfg.model.num_classes = dataset_num_classes(cfg.data)
+        self.backend: Backend = create_backend(cfg, ctx)
+        self.model = create_model(cfg.model)
+        self.image_size = self.model.input_size[-1]
+        self.backend.setup(self.model)
+        self.loader = build_train_loader(cfg.data, self.image_size, cfg.batch_size, ctx.rank,
+                                         ctx.world_size, cfg.seed)
+        self.steps_per_epoch = len(self.loader.batch_sampler) // cfg.optim.grad_accum
+        if self.steps_per_epoch < 1:
+            raise ConfigError("an epoch holds fewer batches than --grad_accum")
+        self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
+        if self.total_steps < 1:
+            raise ConfigError("nothing to train: give --steps or --epochs")
+        self.schedule = LRSchedule(cfg.optim, self.total_steps)
+        self.state = LoopState()
+        self.logger = RunLogger(cfg.run_dir(), ctx)
+        if ctx.is_main:
+            (cfg.run_dir() / "config.json").write_text(cfg.to_json())
+        self.tracker = SkipTracker(self.state, self.logger)
+        self.pending: list[tuple[int, Any, float]] = []
+        self.start_step = 0
+
+    @property
+    def global_batch(self) -> int:
+        return self.cfg.batch_size * self.ctx.world_size * self.cfg.optim.grad_accum
+
+    # --- checkpoints --------------------------------------------------------------------------
+    def resume(self) -> None:
+        path = self._resume_path()
+        if path is None:
+            return
+        saved = ckpt.load_checkpoint(path)
+        if saved["config"]["model"]["name"] != self.cfg.model.name:
+            raise ConfigError(f"checkpoint {path} is for model {saved['config']['model']['name']}")
+        self.backend.load_state_dict(saved["backend"])
+        self.state = LoopState(**saved["loop"])
+        self.tracker.state = self.state
+        ckpt.set_rng_state(saved["rng"])
+        self.logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def _resume_path(self):
+        if not self.cfg.resume:
+            return None
+        if self.cfg.resume != "auto":
+            return self.cfg.resume
+        latest = ckpt.latest_checkpoint(self.cfg.run_dir())
+        if latest is None:
+            self.logger.info("--resume auto: no checkpoint yet, starting fresh")
+        return latest
+
+    def save(self) -> None:
+        self.flush()
+        state = {"backend": self.backend.state_dict(), "loop": dataclasses.asdict(self.state),
+                 "rng": ckpt.rng_state(), "config": dataclasses.asdict(self.cfg)}
+        if self.ctx.is_main:
+            path = ckpt.save_checkpoint(self.cfg.run_dir(), self.state.step, state,
+                                        self.cfg.keep_checkpoints)
+            self.logger.info(f"checkpoint {path}")
+
+    # --- logging ------------------------------------------------------------------------------
+    def flush(self) -> None:
+        """Fetch the pending losses in one host sync and log them."""
+        if not self.pending:
+            return
+        values = self.backend.fetch_losses([loss for _, loss, _ in self.pending])
+        for (step, _, lr), loss in zip(self.pending, values, strict=True):
+            self.state.losses.append(loss)
+            self.logger.record("step", step=step, loss=loss, lr=lr)
+            self.logger.scalars(step, loss=loss, lr=lr)
+        self.pending.clear()
+
+    # --- the loop -----------------------------------------------------------------------------
+    def train(self) -> dict[str, Any]:
+        self.resume()
+        self.start_step = self.state.step
+        # Steady-state timing starts after a few steps (compiles, caches), but never at the end.
+        warm = self.start_step + max(1, self.cfg.timing_warmup_steps)
+        self.timer.warm_step = min(warm, max(self.start_step + 1, self.total_steps - 1))
+        self.logger.info(f"training {self.cfg.model.name} on {self.backend.name}: "
+                         f"{self.total_steps} steps, global batch {self.global_batch}")
+        bar = tqdm(total=self.total_steps, initial=self.state.step, desc=self.backend.name,
+                   disable=not self.ctx.is_main, dynamic_ncols=True)
+        loop_start = time.perf_counter()
+        while self.state.step < self.total_steps:
+            self._run_epoch(bar)
+        self.flush()
+        self.backend.synchronize()
+        self.timer.loop_s = time.perf_counter() - loop_start
+        end = time.perf_counter()
+        bar.close()
+        self.save()
+        return self._finish(end)
+
+    def _run_epoch(self, bar: tqdm) -> None:
+        accum = self.cfg.optim.grad_accum
+        self.loader.batch_sampler.set_epoch(self.state.epoch, self.state.batch_in_epoch)
+        stream = self.backend.device_batches(host_batches(self.loader, self.tracker))
+        for micro in timed_groups(stream, accum, self.timer):
+            lr = self.schedule(self.state.step)
+            loss = self.backend.train_step(micro, lr)
+            self.state.step += 1
+            self.state.batch_in_epoch += accum
+            self.pending.append((self.state.step, loss, lr))
+            self._after_step()
+            bar.update(1)
+            if self.state.step >= self.total_steps:
+                return
+        self.state.epoch += 1
+        self.state.batch_in_epoch = 0
+
+    def _after_step(self) -> None:
+        step, cfg = self.state.step, self.cfg
+        if step == self.timer.warm_step:
+            self.flush()  # host values mark the end of warm-up (and, first, of step one)
+            self.backend.synchronize()
+            self.backend.mark_warmup_done()
+            self.timer.warm_t = time.perf_counter()
+        if step == self.start_step + 1:
+            self.flush()
+            self.timer.first_step_s = time.perf_counter() - self.timer.start
+        if len(self.pending) >= cfg.log_every:
+            self.flush()
+        if cfg.save_every and step % cfg.save_every == 0 and step < self.total_steps:
+            self.save()
+
+    def _finish(self, end: float) -> dict[str, Any]:
+        timed_steps = self.state.step - self.timer.warm_step
+        elapsed = end - self.timer.warm_t
+        ips = self.global_batch * timed_steps / elapsed if timed_steps > 0 and elapsed > 0 else 0.0
+        summary = {
+            "backend": self.backend.name, "model": self.cfg.model.name,
+            "world_size": self.ctx.world_size, "amp_level": self.cfg.amp_level,
+            "global_batch_size": self.global_batch, "steps": self.state.step,
+            "losses": self.state.losses, "images_per_sec": ips,
+            "time_to_first_step_s": self.timer.first_step_s,
+            "data_wait_fraction": self.timer.data_wait_s / max(self.timer.loop_s, 1e-9),
+            "skipped_images": len(self.state.skipped), "seed": self.cfg.seed,
+            "kernel_opt": self.cfg.kernel_opt, "run_dir": str(self.cfg.run_dir()),
+            **self.backend.stats(),
+        }
+        if self.cfg.eval:
+            summary.update(self.evaluate())
+        if self.ctx.is_main:
+            self.logger.write_summary(summary)
+            self.logger.info(f"{ips:.1f} img/s, final loss {self.state.losses[-1]:.4f}")
+        self.logger.close()
+        return summary
+
+    def evaluate(self) -> dict[str, float]:
+        loader = build_eval_loader(self.cfg.data, self.image_size, self.cfg.batch_size,
+                                   self.ctx.rank, self.ctx.world_size, self.cfg.seed)
+        return self.backend.evaluate(self._tracked(loader))
+
+    def _tracked(self, loader: Iterable[dict]) -> Iterator[dict]:
+        for batch in loader:
+            self.tracker.add(batch["skipped"])
+            yield batch

@@ -1,0 +1,1 @@
+"""Datasets, mock-ImageNet preparation, collate-level mixup and loaders (independent of accel)."""

@@ -1,0 +1,87 @@
+"""Collate functions that keep batches uint8 and targets soft, with Mixup/CutMix on the host.
+
+Mixup is timm's FastCollateMixup (uint8 in, uint8 out). Two things are added around it:
+- whether mixup is on is decided from the epoch carried by the samples, not from an attribute set in
+  the main process, so switching it off after epoch N takes effect inside persistent workers;
+- its randomness is seeded from (seed, epoch, batch), so batches reproduce exactly.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from timm.data.mixup import FastCollateMixup, mixup_target
+
+from data.sampling import SampleKey, key_seed
+
+Sample = tuple[torch.Tensor, int, tuple[str, ...], SampleKey]
+
+
+@dataclass
+class MixupConfig:
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    prob: float = 1.0
+    switch_prob: float = 0.5
+    mode: str = "batch"
+    off_epoch: int = 0  # mixup/cutmix stop from this epoch on; 0 keeps them on for the whole run
+
+    @property
+    def enabled(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+
+@contextmanager
+def seeded_numpy(seed: int):
+    """timm's Mixup draws from numpy's global RNG: seed it for one call and restore it after."""
+    state = np.random.get_state()
+    np.random.seed(seed)
+    try:
+        yield
+    finally:
+        np.random.set_state(state)
+
+
+def _skipped(samples: list[Sample]) -> list[str]:
+    return [path for s in samples for path in s[2]]
+
+
+class TrainCollate:
+    def __init__(self, num_classes: int, label_smoothing: float, mixup: MixupConfig, seed: int):
+        self.num_classes = num_classes
+        self.smoothing = label_smoothing
+        self.mixup_cfg = mixup
+        self.seed = seed
+        self.mixup = None
+        if mixup.enabled:
+            self.mixup = FastCollateMixup(
+                mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
+                switch_prob=mixup.switch_prob, mode=mixup.mode, label_smoothing=label_smoothing,
+                num_classes=num_classes)
+
+    def mixup_active(self, epoch: int) -> bool:
+        off = self.mixup_cfg.off_epoch
+        return self.mixup is not None and (off <= 0 or epoch < off)
+
+    def __call__(self, samples: list[Sample]) -> dict:
+        key = samples[0][3]
+        if self.mixup_active(key.epoch):
+            with seeded_numpy(key_seed(self.seed, key.epoch, key.batch)):
+                images, targets = self.mixup([(s[0].numpy(), s[1]) for s in samples])
+        else:
+            images = torch.stack([s[0] for s in samples])
+            labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
+            targets = mixup_target(labels, self.num_classes, 1.0, self.smoothing)
+        return {"images": images, "targets": targets.float(), "skipped": _skipped(samples)}
+
+
+def eval_collate(samples: list[Sample]) -> dict:
+    return {
+        "images": torch.stack([s[0] for s in samples]),
+        "labels": torch.tensor([s[1] for s in samples], dtype=torch.int64),
+        "mask": torch.tensor([s[3].valid for s in samples], dtype=torch.bool),
+        "skipped": _skipped(samples),
+    }

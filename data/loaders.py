@@ -1,0 +1,95 @@
+"""Train and evaluation loaders over synthetic data or ImageNet-layout folders."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from data.collate import MixupConfig, TrainCollate, eval_collate
+from data.folder import ImageFolderDataset, eval_transform, split_dir, train_transform
+from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
+from data.synthetic import SyntheticImages
+
+
+@dataclass
+class DataConfig:
+    source: str = "synthetic"  # "synthetic" or the root of an ImageNet-layout folder
+    num_classes: int = 10  # synthetic only; folders take it from their class folders
+    synthetic_length: int = 1024
+    workers: int = 2
+    label_smoothing: float = 0.1
+    mixup: MixupConfig = field(default_factory=MixupConfig)
+    strict: bool = False
+    persistent_workers: bool = True
+
+    @property
+    def is_synthetic(self) -> bool:
+        return self.source == "synthetic"
+
+
+class KeyedDataset(Dataset):
+    """Looks samples up by SampleKey; augmentation randomness is seeded from the key."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, key: SampleKey) -> tuple:
+        # fork_rng keeps the caller's torch RNG untouched when this runs in the main process.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(key_seed(self.seed, key.epoch, key.index))
+            if isinstance(self.dataset, ImageFolderDataset):
+                image, label, skipped = self.dataset.load(key.index)
+            else:
+                (image, label), skipped = self.dataset[key.index], ()
+        return image, label, skipped, key
+
+
+def build_dataset(cfg: DataConfig, split: str, image_size: int, seed: int) -> Dataset:
+    if cfg.is_synthetic:
+        length = cfg.synthetic_length if split == "train" else max(1, cfg.synthetic_length // 4)
+        return SyntheticImages(length, cfg.num_classes, (3, image_size, image_size),
+                               seed=seed + (0 if split == "train" else 1))
+    transform = train_transform(image_size) if split == "train" else eval_transform(image_size)
+    return ImageFolderDataset(cfg.source, split, transform, strict=cfg.strict)
+
+
+def dataset_num_classes(cfg: DataConfig) -> int:
+    """Class count without decoding anything (folders: the number of class folders)."""
+    if cfg.is_synthetic:
+        return cfg.num_classes
+    return len([p for p in Path(split_dir(cfg.source, "train")).iterdir() if p.is_dir()])
+
+
+def _loader(dataset: Dataset, batch_sampler, collate, seed: int, workers: int,
+            persistent: bool) -> DataLoader:
+    return DataLoader(KeyedDataset(dataset, seed),
+                      batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
+                      persistent_workers=persistent and workers > 0, pin_memory=False)
+
+
+def build_train_loader(cfg: DataConfig, image_size: int, batch_size: int, rank: int,
+                       world_size: int, seed: int) -> DataLoader:
+    """Per-rank loader of fixed-size uint8 batches with soft targets; call
+    `loader.batch_sampler.set_epoch(epoch, start_batch)` before each epoch."""
+    dataset = build_dataset(cfg, "train", image_size, seed)
+    num_classes = getattr(dataset, "num_classes", cfg.num_classes)
+    if cfg.mixup.enabled and batch_size % 2:
+        raise ValueError(f"mixup/cutmix need an even per-device batch size, got {batch_size}")
+    sampler = ShardedBatchSampler(len(dataset), batch_size, rank, world_size, seed)
+    collate = TrainCollate(num_classes, cfg.label_smoothing, cfg.mixup, seed)
+    return _loader(dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers)
+
+
+def build_eval_loader(cfg: DataConfig, image_size: int, batch_size: int, rank: int,
+                      world_size: int, seed: int) -> DataLoader:
+    """Fixed-size evaluation batches with a `mask` marking the padding of the last one."""
+    dataset = build_dataset(cfg, "val", image_size, seed)
+    sampler = PaddedEvalBatchSampler(len(dataset), batch_size, rank, world_size)
+    return _loader(dataset, sampler, eval_collate, seed, cfg.workers, persistent=False)

@@ -1,0 +1,82 @@
+"""Model factory over timm: any timm model name plus the registered micro variants.
+
+The returned module takes uint8 NCHW images and normalises them itself, so that backends only ever
+move uint8 to the device and normalisation is part of the compiled graph.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+
+import timm
+import torch
+from torch import nn
+
+from models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
+
+
+class UnknownModelError(ValueError):
+    """The model name is not known to timm."""
+
+
+@dataclass
+class ModelConfig:
+    name: str = "vit_micro"
+    num_classes: int = 10
+    pool: str = "token"  # "token" (class token) or "avg" (average pooling, no class token)
+    drop_path_rate: float = 0.0
+
+
+class ImageClassifier(nn.Module):
+    """Wraps a timm model: uint8 [0, 255] NCHW in, logits out."""
+
+    def __init__(self, model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        self.model = model
+        scale = torch.tensor(std).view(1, -1, 1, 1) * 255.0
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
+        self.register_buffer("inv_scale", 1.0 / scale, persistent=False)
+
+    @property
+    def input_size(self) -> tuple[int, int, int]:
+        return tuple(self.model.pretrained_cfg["input_size"])
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        dtype = self.mean.dtype
+        x = (images.to(dtype) - self.mean) * self.inv_scale
+        return self.model(x)
+
+
+def known_models() -> list[str]:
+    return timm.list_models()
+
+
+def check_model_name(name: str) -> None:
+    """Raise UnknownModelError with close matches when timm does not know `name`."""
+    if timm.is_model(name):
+        return
+    close = difflib.get_close_matches(name, known_models(), n=3, cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise UnknownModelError(f"unknown model '{name}'{hint}")
+
+
+def _pool_kwargs(name: str, pool: str) -> dict:
+    if pool == "token":
+        return {}
+    if pool != "avg":
+        raise ValueError(f"unknown pool '{pool}' (use token or avg)")
+    if "vit" in name or "deit" in name:
+        return {"global_pool": "avg", "class_token": False}
+    return {"global_pool": "avg"}
+
+
+def create_model(cfg: ModelConfig) -> ImageClassifier:
+    """Build a randomly initialised timm model (no weight downloads) behind uint8 normalisation."""
+    check_model_name(cfg.name)
+    kwargs = {"num_classes": cfg.num_classes, **_pool_kwargs(cfg.name, cfg.pool)}
+    if cfg.drop_path_rate:
+        kwargs["drop_path_rate"] = cfg.drop_path_rate
+    model = timm.create_model(cfg.name, pretrained=False, **kwargs)
+    pcfg = model.pretrained_cfg
+    return ImageClassifier(model, tuple(pcfg["mean"]), tuple(pcfg["std"]))

@@ -1,0 +1,57 @@
+"""Micro ViT and Swin variants: the real timm architectures, shrunk for CPU tests and demos."""
+
+from __future__ import annotations
+
+from timm.models import register_model
+from timm.models.swin_transformer import SwinTransformer
+from timm.models.vision_transformer import VisionTransformer
+
+MICRO_INPUT_SIZE = (3, 32, 32)
+
+
+def _micro_cfg(**kwargs) -> dict:
+    return {
+        "input_size": MICRO_INPUT_SIZE,
+        "mean": (0.485, 0.456, 0.406),
+        "std": (0.229, 0.224, 0.225),
+        "num_classes": 10,
+        **kwargs,
+    }
+
+
+def _model_kwargs(kwargs: dict) -> dict:
+    """Drop what timm.create_model passes for pretrained loading: micro models have no weights."""
+    dropped = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+    kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
+    kwargs.setdefault("num_classes", 10)
+    return kwargs
+
+
+@register_model
+def vit_micro(pretrained: bool = False, **kwargs) -> VisionTransformer:
+    """ViT with 4x4 patches on 32x32 images, width 64, depth 2 (about 75k parameters)."""
+    kwargs = _model_kwargs(kwargs)
+    model = VisionTransformer(
+        img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, **kwargs
+    )
+    model.pretrained_cfg = _micro_cfg(architecture="vit_micro")
+    return model
+
+
+@register_model
+def swin_micro(pretrained: bool = False, **kwargs) -> SwinTransformer:
+    """Swin with 2x2 patches, 4x4 windows on 32x32 images, two stages (about 75k parameters)."""
+    kwargs = _model_kwargs(kwargs)
+    kwargs.pop("class_token", None)  # Swin always pools; the option has no meaning here
+    model = SwinTransformer(
+        img_size=32,
+        patch_size=2,
+        window_size=4,
+        embed_dim=32,
+        depths=(1, 1),
+        num_heads=(2, 4),
+        mlp_ratio=2.0,
+        **kwargs,
+    )
+    model.pretrained_cfg = _micro_cfg(architecture="swin_micro")
+    return model
