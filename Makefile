@@ -28,7 +28,7 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 bench: setup
-	$(BIN)/python bench/eager_vs_compile.py
+	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro --backends eager,compile --tag cpu-eager-vs-compile
 
 clean:
 	rm -rf $(VENV) $(DEMO) runs

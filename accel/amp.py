@@ -46,6 +46,7 @@ def amp_policy(level: str, dtype: str = "bfloat16") -> AmpPolicy:
     if dtype not in DTYPES:
         raise ConfigError(f"unknown AMP dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     if level == "O3":
-        warnings.warn("AMP O3 trains entirely in low precision: fastest, may cost accuracy",
-                      stacklevel=2)
+        warnings.warn(
+            "AMP O3 trains entirely in low precision: fastest, may cost accuracy", stacklevel=2
+        )
     return AmpPolicy(level, DTYPES[dtype])

@@ -68,5 +68,9 @@ def config_from_dict(raw: dict) -> RunConfig:
     data["mixup"] = MixupConfig(**data["mixup"])
     optim = dict(raw.pop("optim"))
     optim["betas"] = tuple(optim["betas"])
-    return RunConfig(model=ModelConfig(**raw.pop("model")), data=DataConfig(**data),
-                     optim=OptimConfig(**optim), **raw)
+    return RunConfig(
+        model=ModelConfig(**raw.pop("model")),
+        data=DataConfig(**data),
+        optim=OptimConfig(**optim),
+        **raw,
+    )

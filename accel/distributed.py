@@ -30,8 +30,11 @@ def launched_by_torchrun() -> bool:
 
 
 def env_context() -> DistContext:
-    return DistContext(int(os.environ.get("RANK", 0)), int(os.environ.get("LOCAL_RANK", 0)),
-                       int(os.environ.get("WORLD_SIZE", 1)))
+    return DistContext(
+        int(os.environ.get("RANK", 0)),
+        int(os.environ.get("LOCAL_RANK", 0)),
+        int(os.environ.get("WORLD_SIZE", 1)),
+    )
 
 
 def init_process_group(ctx: DistContext, timeout_s: float = 300) -> None:

@@ -39,11 +39,20 @@ class OneLineParser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="launch_single_task", description=__doc__,
-                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--backend", choices=BACKENDS, default=None,
-                   help="default: eager, or the XLA path when USE_ACCEL=1")
-    p.add_argument("--model", default="vit_micro", help="any timm model name, or vit_micro/swin_micro")
+    p = OneLineParser(
+        prog="launch_single_task",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="default: eager, or the XLA path when USE_ACCEL=1",
+    )
+    p.add_argument(
+        "--model", default="vit_micro", help="any timm model name, or vit_micro/swin_micro"
+    )
     p.add_argument("--pool", choices=("token", "avg"), default="token", help="classifier pooling")
     p.add_argument("--data", default="synthetic", help="'synthetic' or an ImageNet-layout folder")
     p.add_argument("--num_classes", type=int, default=10, help="synthetic data only")
@@ -59,16 +68,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--clip_grad", type=float, default=1.0, help="max grad norm, 0 = off")
     p.add_argument("--amp_level", default="O0", help=f"one of {', '.join(AMP_LEVELS)}")
     p.add_argument("--amp_dtype", choices=("bfloat16", "float16"), default="bfloat16")
-    p.add_argument("--kernel-opt", dest="kernel_opt", action="store_true",
-                   help="fused paths: eager/compile: fused (CUDA) or foreach AdamW, compile "
-                        "max-autotune; xla: syncfree AdamW; jax: jax.nn.dot_product_attention")
+    p.add_argument(
+        "--kernel-opt",
+        dest="kernel_opt",
+        action="store_true",
+        help="fused paths: eager/compile: fused (CUDA) or foreach AdamW, compile "
+        "max-autotune; xla: syncfree AdamW; jax: jax.nn.dot_product_attention",
+    )
     p.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (0 = off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (0 = off)")
     p.add_argument("--mixup_off_epoch", type=int, default=0, help="stop mixup from this epoch")
     p.add_argument("--label_smoothing", type=float, default=0.1)
     p.add_argument("--workers", type=int, default=2, help="data loader workers per process")
-    p.add_argument("--strict-data", dest="strict_data", action="store_true",
-                   help="stop at the first unreadable image instead of skipping it")
+    p.add_argument(
+        "--strict-data",
+        dest="strict_data",
+        action="store_true",
+        help="stop at the first unreadable image instead of skipping it",
+    )
     p.add_argument("--nproc_per_node", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default="runs")
@@ -91,31 +108,58 @@ def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, st
         if torch.cuda.is_available():
             return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
         return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
-    return "eager", "default (USE_ACCEL unset)"
+    return "eager", "default, USE_ACCEL unset"
 
 
 def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
-    mixup = MixupConfig(mixup_alpha=args.mixup, cutmix_alpha=args.cutmix,
-                        off_epoch=args.mixup_off_epoch)
-    data = DataConfig(source=args.data, num_classes=args.num_classes,
-                      synthetic_length=args.synthetic_length, workers=args.workers,
-                      label_smoothing=args.label_smoothing, mixup=mixup, strict=args.strict_data)
-    optim = OptimConfig(lr=args.lr, weight_decay=args.weight_decay, warmup_steps=args.warmup_steps,
-                        clip_grad=args.clip_grad, grad_accum=args.grad_accum)
+    mixup = MixupConfig(
+        mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, off_epoch=args.mixup_off_epoch
+    )
+    data = DataConfig(
+        source=args.data,
+        num_classes=args.num_classes,
+        synthetic_length=args.synthetic_length,
+        workers=args.workers,
+        label_smoothing=args.label_smoothing,
+        mixup=mixup,
+        strict=args.strict_data,
+    )
+    optim = OptimConfig(
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        warmup_steps=args.warmup_steps,
+        clip_grad=args.clip_grad,
+        grad_accum=args.grad_accum,
+    )
     return RunConfig(
-        backend=backend, model=ModelConfig(args.model, args.num_classes, args.pool), data=data,
-        optim=optim, batch_size=args.batch_size, steps=args.steps, epochs=args.epochs,
-        amp_level=args.amp_level, amp_dtype=args.amp_dtype, kernel_opt=args.kernel_opt,
-        seed=args.seed, output=args.output, run_name=args.run_name, save_every=args.save_every,
-        keep_checkpoints=args.keep_checkpoints, resume=args.resume, log_every=args.log_every,
-        eval=args.eval, nproc_per_node=args.nproc_per_node)
+        backend=backend,
+        model=ModelConfig(args.model, args.num_classes, args.pool),
+        data=data,
+        optim=optim,
+        batch_size=args.batch_size,
+        steps=args.steps,
+        epochs=args.epochs,
+        amp_level=args.amp_level,
+        amp_dtype=args.amp_dtype,
+        kernel_opt=args.kernel_opt,
+        seed=args.seed,
+        output=args.output,
+        run_name=args.run_name,
+        save_every=args.save_every,
+        keep_checkpoints=args.keep_checkpoints,
+        resume=args.resume,
+        log_every=args.log_every,
+        eval=args.eval,
+        nproc_per_node=args.nproc_per_node,
+    )
 
 
 def validate(cfg: RunConfig) -> None:
     """Fail fast, before any process starts, on input that cannot work."""
     if cfg.amp_level not in AMP_LEVELS:
-        raise ConfigError(f"unknown AMP level '{cfg.amp_level}' (choose from "
-                          f"{', '.join(AMP_LEVELS)})")
+        raise ConfigError(
+            f"unknown AMP level '{cfg.amp_level}' (choose from {', '.join(AMP_LEVELS)})"
+        )
     check_model_name(cfg.model.name)
     if cfg.batch_size < 1 or cfg.optim.grad_accum < 1 or cfg.nproc_per_node < 1:
         raise ConfigError("--batch_size, --grad_accum and --nproc_per_node must be >= 1")
@@ -145,8 +189,10 @@ def resolve_run_name(cfg: RunConfig) -> str:
         return cfg.run_name
     parent = Path(cfg.output) / cfg.model.name / cfg.backend
     if cfg.resume == "auto" and parent.is_dir():
-        runs = sorted((p for p in parent.iterdir() if (p / "checkpoints").is_dir()),
-                      key=lambda p: p.stat().st_mtime)
+        runs = sorted(
+            (p for p in parent.iterdir() if (p / "checkpoints").is_dir()),
+            key=lambda p: p.stat().st_mtime,
+        )
         if runs:
             return runs[-1].name
     return datetime.now().strftime("run-%Y%m%d-%H%M%S-%f")
@@ -157,9 +203,17 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun
 
-    args = ["--standalone", f"--nproc_per_node={cfg.nproc_per_node}", "--module",
-            "accel.launch_single_task", *argv, "--backend", cfg.backend, "--run_name",
-            cfg.run_name]
+    args = [
+        "--standalone",
+        f"--nproc_per_node={cfg.nproc_per_node}",
+        "--module",
+        "accel.launch_single_task",
+        *argv,
+        "--backend",
+        cfg.backend,
+        "--run_name",
+        cfg.run_name,
+    ]
     try:
         torchrun(args)
     except ChildFailedError as err:
@@ -196,8 +250,10 @@ def run(argv: list[str]) -> int:
     finally:
         destroy_process_group()
     if ctx.is_main:
-        print(f"accel: {summary['images_per_sec']:.1f} img/s ({backend}, {cfg.model.name}, "
-              f"world size {ctx.world_size}); summary in {cfg.run_dir() / 'summary.json'}")
+        print(
+            f"accel: {summary['images_per_sec']:.1f} img/s ({backend}, {cfg.model.name}, "
+            f"world size {ctx.world_size}); summary in {cfg.run_dir() / 'summary.json'}"
+        )
     return 0
 
 

@@ -26,15 +26,19 @@ class RunLogger:
         self.run_dir = run_dir
         self.ctx = ctx
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics = open(run_dir / metrics_filename(ctx.rank), "a", buffering=1)
+        self.metrics = open(  # noqa: SIM115 (kept open for the whole run, closed in close())
+            run_dir / metrics_filename(ctx.rank), "a", buffering=1
+        )
         self.log = logging.getLogger(f"accel.run.{ctx.rank}")
         self.log.setLevel(logging.INFO)
         self.log.propagate = False
         self.log.handlers.clear()
         if ctx.is_main:
             fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
-            for handler in (logging.FileHandler(run_dir / "train.log"),
-                            logging.StreamHandler(sys.stdout)):
+            for handler in (
+                logging.FileHandler(run_dir / "train.log"),
+                logging.StreamHandler(sys.stdout),
+            ):
                 handler.setFormatter(fmt)
                 self.log.addHandler(handler)
         self.tb = None
@@ -48,8 +52,11 @@ class RunLogger:
 
     def record(self, kind: str, **fields: Any) -> None:
         """One JSON line (non-finite floats become null, so the file stays valid JSON)."""
-        row = {"kind": kind, "rank": self.ctx.rank,
-               **{k: _finite_or_none(v) for k, v in fields.items()}}
+        row = {
+            "kind": kind,
+            "rank": self.ctx.rank,
+            **{k: _finite_or_none(v) for k, v in fields.items()},
+        }
         self.metrics.write(json.dumps(row) + "\n")
 
     def scalars(self, step: int, **values: float) -> None:

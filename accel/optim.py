@@ -17,8 +17,12 @@ def weight_decay_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 def decay_mask(model: nn.Module) -> dict[str, bool]:
     """Parameter name -> whether weight decay applies (the same split, by name)."""
-    no_decay = {id(p) for g in weight_decay_groups(model, 1.0) if g["weight_decay"] == 0.0
-                for p in g["params"]}
+    no_decay = {
+        id(p)
+        for g in weight_decay_groups(model, 1.0)
+        if g["weight_decay"] == 0.0
+        for p in g["params"]
+    }
     return {name: id(p) not in no_decay for name, p in model.named_parameters() if p.requires_grad}
 
 
@@ -32,8 +36,14 @@ class LRSchedule:
     def __init__(self, cfg: OptimConfig, total_steps: int):
         self._dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
         self._sched = CosineLRScheduler(
-            self._dummy, t_initial=max(1, total_steps), lr_min=cfg.min_lr,
-            warmup_t=cfg.warmup_steps, warmup_lr_init=cfg.min_lr, t_in_epochs=False)
+            self._dummy,
+            t_initial=max(1, total_steps - cfg.warmup_steps),
+            lr_min=cfg.min_lr,
+            warmup_t=cfg.warmup_steps,
+            warmup_lr_init=cfg.min_lr,
+            warmup_prefix=True,
+            t_in_epochs=False,
+        )
 
     def __call__(self, step: int) -> float:
         self._sched.step_update(step)

@@ -98,8 +98,9 @@ class Trainer:
         self.model = create_model(cfg.model)
         self.image_size = self.model.input_size[-1]
         self.backend.setup(self.model)
-        self.loader = build_train_loader(cfg.data, self.image_size, cfg.batch_size, ctx.rank,
-                                         ctx.world_size, cfg.seed)
+        self.loader = build_train_loader(
+            cfg.data, self.image_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed
+        )
         self.steps_per_epoch = len(self.loader.batch_sampler) // cfg.optim.grad_accum
         if self.steps_per_epoch < 1:
             raise ConfigError("an epoch holds fewer batches than --grad_accum")
@@ -145,11 +146,16 @@ class Trainer:
 
     def save(self) -> None:
         self.flush()
-        state = {"backend": self.backend.state_dict(), "loop": dataclasses.asdict(self.state),
-                 "rng": ckpt.rng_state(), "config": dataclasses.asdict(self.cfg)}
+        state = {
+            "backend": self.backend.state_dict(),
+            "loop": dataclasses.asdict(self.state),
+            "rng": ckpt.rng_state(),
+            "config": dataclasses.asdict(self.cfg),
+        }
         if self.ctx.is_main:
-            path = ckpt.save_checkpoint(self.cfg.run_dir(), self.state.step, state,
-                                        self.cfg.keep_checkpoints)
+            path = ckpt.save_checkpoint(
+                self.cfg.run_dir(), self.state.step, state, self.cfg.keep_checkpoints
+            )
             self.logger.info(f"checkpoint {path}")
 
     # --- logging ------------------------------------------------------------------------------
@@ -171,10 +177,17 @@ class Trainer:
         # Steady-state timing starts after a few steps (compiles, caches), but never at the end.
         warm = self.start_step + max(1, self.cfg.timing_warmup_steps)
         self.timer.warm_step = min(warm, max(self.start_step + 1, self.total_steps - 1))
-        self.logger.info(f"training {self.cfg.model.name} on {self.backend.name}: "
-                         f"{self.total_steps} steps, global batch {self.global_batch}")
-        bar = tqdm(total=self.total_steps, initial=self.state.step, desc=self.backend.name,
-                   disable=not self.ctx.is_main, dynamic_ncols=True)
+        self.logger.info(
+            f"training {self.cfg.model.name} on {self.backend.name}: "
+            f"{self.total_steps} steps, global batch {self.global_batch}"
+        )
+        bar = tqdm(
+            total=self.total_steps,
+            initial=self.state.step,
+            desc=self.backend.name,
+            disable=not self.ctx.is_main,
+            dynamic_ncols=True,
+        )
         loop_start = time.perf_counter()
         while self.state.step < self.total_steps:
             self._run_epoch(bar)
@@ -223,14 +236,20 @@ class Trainer:
         elapsed = end - self.timer.warm_t
         ips = self.global_batch * timed_steps / elapsed if timed_steps > 0 and elapsed > 0 else 0.0
         summary = {
-            "backend": self.backend.name, "model": self.cfg.model.name,
-            "world_size": self.ctx.world_size, "amp_level": self.cfg.amp_level,
-            "global_batch_size": self.global_batch, "steps": self.state.step,
-            "losses": self.state.losses, "images_per_sec": ips,
+            "backend": self.backend.name,
+            "model": self.cfg.model.name,
+            "world_size": self.ctx.world_size,
+            "amp_level": self.cfg.amp_level,
+            "global_batch_size": self.global_batch,
+            "steps": self.state.step,
+            "losses": self.state.losses,
+            "images_per_sec": ips,
             "time_to_first_step_s": self.timer.first_step_s,
             "data_wait_fraction": self.timer.data_wait_s / max(self.timer.loop_s, 1e-9),
-            "skipped_images": len(self.state.skipped), "seed": self.cfg.seed,
-            "kernel_opt": self.cfg.kernel_opt, "run_dir": str(self.cfg.run_dir()),
+            "skipped_images": len(self.state.skipped),
+            "seed": self.cfg.seed,
+            "kernel_opt": self.cfg.kernel_opt,
+            "run_dir": str(self.cfg.run_dir()),
             **self.backend.stats(),
         }
         if self.cfg.eval:
@@ -242,8 +261,14 @@ class Trainer:
         return summary
 
     def evaluate(self) -> dict[str, float]:
-        loader = build_eval_loader(self.cfg.data, self.image_size, self.cfg.batch_size,
-                                   self.ctx.rank, self.ctx.world_size, self.cfg.seed)
+        loader = build_eval_loader(
+            self.cfg.data,
+            self.image_size,
+            self.cfg.batch_size,
+            self.ctx.rank,
+            self.ctx.world_size,
+            self.cfg.seed,
+        )
         return self.backend.evaluate(self._tracked(loader))
 
     def _tracked(self, loader: Iterable[dict]) -> Iterator[dict]:

@@ -58,9 +58,14 @@ class TrainCollate:
         self.mixup = None
         if mixup.enabled:
             self.mixup = FastCollateMixup(
-                mixup_alpha=mixup.mixup_alpha, cutmix_alpha=mixup.cutmix_alpha, prob=mixup.prob,
-                switch_prob=mixup.switch_prob, mode=mixup.mode, label_smoothing=label_smoothing,
-                num_classes=num_classes)
+                mixup_alpha=mixup.mixup_alpha,
+                cutmix_alpha=mixup.cutmix_alpha,
+                prob=mixup.prob,
+                switch_prob=mixup.switch_prob,
+                mode=mixup.mode,
+                label_smoothing=label_smoothing,
+                num_classes=num_classes,
+            )
 
     def mixup_active(self, epoch: int) -> bool:
         off = self.mixup_cfg.off_epoch

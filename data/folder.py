@@ -28,12 +28,13 @@ class BadImageError(RuntimeError):
 
 
 def train_transform(size: int) -> v2.Compose:
-    return v2.Compose([v2.PILToTensor(), v2.RandomResizedCrop(size, antialias=True),
-                       v2.RandomHorizontalFlip()])
+    return v2.Compose(
+        [v2.PILToTensor(), v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
+    )
 
 
 def eval_transform(size: int) -> v2.Compose:
-    resize = int(round(size / 0.875))  # the usual ImageNet crop ratio
+    resize = round(size / 0.875)  # the usual ImageNet crop ratio
     return v2.Compose([v2.PILToTensor(), v2.Resize(resize, antialias=True), v2.CenterCrop(size)])
 
 

@@ -54,8 +54,12 @@ class KeyedDataset(Dataset):
 def build_dataset(cfg: DataConfig, split: str, image_size: int, seed: int) -> Dataset:
     if cfg.is_synthetic:
         length = cfg.synthetic_length if split == "train" else max(1, cfg.synthetic_length // 4)
-        return SyntheticImages(length, cfg.num_classes, (3, image_size, image_size),
-                               seed=seed + (0 if split == "train" else 1))
+        return SyntheticImages(
+            length,
+            cfg.num_classes,
+            (3, image_size, image_size),
+            seed=seed + (0 if split == "train" else 1),
+        )
     transform = train_transform(image_size) if split == "train" else eval_transform(image_size)
     return ImageFolderDataset(cfg.source, split, transform, strict=cfg.strict)
 
@@ -67,15 +71,22 @@ def dataset_num_classes(cfg: DataConfig) -> int:
     return len([p for p in Path(split_dir(cfg.source, "train")).iterdir() if p.is_dir()])
 
 
-def _loader(dataset: Dataset, batch_sampler, collate, seed: int, workers: int,
-            persistent: bool) -> DataLoader:
-    return DataLoader(KeyedDataset(dataset, seed),
-                      batch_sampler=batch_sampler, collate_fn=collate, num_workers=workers,
-                      persistent_workers=persistent and workers > 0, pin_memory=False)
+def _loader(
+    dataset: Dataset, batch_sampler, collate, seed: int, workers: int, persistent: bool
+) -> DataLoader:
+    return DataLoader(
+        KeyedDataset(dataset, seed),
+        batch_sampler=batch_sampler,
+        collate_fn=collate,
+        num_workers=workers,
+        persistent_workers=persistent and workers > 0,
+        pin_memory=False,
+    )
 
 
-def build_train_loader(cfg: DataConfig, image_size: int, batch_size: int, rank: int,
-                       world_size: int, seed: int) -> DataLoader:
+def build_train_loader(
+    cfg: DataConfig, image_size: int, batch_size: int, rank: int, world_size: int, seed: int
+) -> DataLoader:
     """Per-rank loader of fixed-size uint8 batches with soft targets; call
     `loader.batch_sampler.set_epoch(epoch, start_batch)` before each epoch."""
     dataset = build_dataset(cfg, "train", image_size, seed)
@@ -87,8 +98,9 @@ def build_train_loader(cfg: DataConfig, image_size: int, batch_size: int, rank: 
     return _loader(dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers)
 
 
-def build_eval_loader(cfg: DataConfig, image_size: int, batch_size: int, rank: int,
-                      world_size: int, seed: int) -> DataLoader:
+def build_eval_loader(
+    cfg: DataConfig, image_size: int, batch_size: int, rank: int, world_size: int, seed: int
+) -> DataLoader:
     """Fixed-size evaluation batches with a `mask` marking the padding of the last one."""
     dataset = build_dataset(cfg, "val", image_size, seed)
     sampler = PaddedEvalBatchSampler(len(dataset), batch_size, rank, world_size)

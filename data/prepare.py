@@ -22,8 +22,13 @@ def _image(rng: np.random.Generator, colour: np.ndarray, size: int) -> Image.Ima
 
 
 def prepare_mock_imagenet(
-    out: str | Path, classes: int = 10, per_class: int = 50, val_per_class: int = 10,
-    size: int = 48, seed: int = 0, progress: bool = True,
+    out: str | Path,
+    classes: int = 10,
+    per_class: int = 50,
+    val_per_class: int = 10,
+    size: int = 48,
+    seed: int = 0,
+    progress: bool = True,
 ) -> Path:
     """Create the folder tree with real JPEG files; returns its root."""
     if classes < 1 or per_class < 1 or val_per_class < 0 or size < 8:
@@ -54,8 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     try:
-        root = prepare_mock_imagenet(args.out, args.classes, args.per_class, args.val_per_class,
-                                     args.size, args.seed)
+        root = prepare_mock_imagenet(
+            args.out, args.classes, args.per_class, args.val_per_class, args.size, args.seed
+        )
     except ValueError as err:
         print(f"accel-prepare: error: {err}", file=sys.stderr)
         return 2

@@ -1,8 +1,8 @@
 """Sharded, resumable batch sampling.
 
-Every sample is requested with a key (index, epoch, batch, valid). Augmentation and mixup draw their
-randomness from the key, not from worker state, so a batch is the same whatever the number of workers,
-after a resume, or with persistent workers that never see `set_epoch`.
+Every sample is requested with a key (index, epoch, batch, valid). Augmentation and mixup draw
+their randomness from the key, not from worker state, so a batch is the same whatever the number
+of workers, after a resume, or with persistent workers that never see `set_epoch`.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
-
 from torch.utils.data import DistributedSampler
 
 
@@ -30,15 +29,29 @@ class SampleKey(NamedTuple):
 class ShardedBatchSampler:
     """Fixed-size training batches of this rank's shard, reshuffled per epoch, tail dropped."""
 
-    def __init__(self, length: int, batch_size: int, rank: int = 0, world_size: int = 1,
-                 seed: int = 0, shuffle: bool = True):
+    def __init__(
+        self,
+        length: int,
+        batch_size: int,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+    ):
         if length < batch_size * world_size:
             raise ValueError(
                 f"dataset of {length} samples is smaller than one global batch "
-                f"({batch_size} x {world_size} ranks)")
+                f"({batch_size} x {world_size} ranks)"
+            )
         # DistributedSampler only needs len(); it gives the per-epoch permutation and the shard.
-        self.sampler = DistributedSampler(range(length), num_replicas=world_size, rank=rank,
-                                          shuffle=shuffle, seed=seed, drop_last=True)
+        self.sampler = DistributedSampler(
+            range(length),
+            num_replicas=world_size,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=True,
+        )
         self.batch_size = batch_size
         self.epoch = 0
         self.start_batch = 0

@@ -40,5 +40,8 @@ class CompileBackend(EagerBackend):
         self._frames_at_warmup = _frames_compiled()
 
     def stats(self) -> dict[str, Any]:
-        return {**super().stats(), "graphs_compiled": _frames_compiled(),
-                "compiles_after_warmup": _frames_compiled() - self._frames_at_warmup}
+        return {
+            **super().stats(),
+            "graphs_compiled": _frames_compiled(),
+            "compiles_after_warmup": _frames_compiled() - self._frames_at_warmup,
+        }

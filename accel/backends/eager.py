@@ -73,8 +73,10 @@ class EagerBackend:
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         for images, targets in batches:
-            yield (images.to(self.device, non_blocking=True),
-                   targets.to(self.device, non_blocking=True))
+            yield (
+                images.to(self.device, non_blocking=True),
+                targets.to(self.device, non_blocking=True),
+            )
 
     # --- the step -----------------------------------------------------------------------------
     def autocast(self):
@@ -83,6 +85,12 @@ class EagerBackend:
         return torch.autocast(self.device.type, dtype=self.amp.dtype)
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> torch.Tensor:
+        loss = self.backward(micro_batches)
+        self._apply_update(lr)
+        return loss
+
+    def backward(self, micro_batches: list[Batch]) -> torch.Tensor:
+        """Accumulate gradients (all-reduced on the last micro-batch); returns the mean loss."""
         total = torch.zeros((), device=self.device)
         for i, (images, targets) in enumerate(micro_batches):
             last = i == len(micro_batches) - 1
@@ -92,7 +100,6 @@ class EagerBackend:
                 loss = soft_target_loss(self.model(images), targets) / len(micro_batches)
             self.scaler.scale(loss).backward()
             total += loss.detach()
-        self._apply_update(lr)
         return total
 
     def _apply_update(self, lr: float) -> None:
@@ -139,18 +146,26 @@ class EagerBackend:
         if self.ctx.distributed:
             dist.all_reduce(sums)
         loss_sum, correct, count = sums.tolist()
-        return {"eval_loss": loss_sum / max(count, 1), "eval_acc": correct / max(count, 1),
-                "eval_images": int(count)}
+        return {
+            "eval_loss": loss_sum / max(count, 1),
+            "eval_acc": correct / max(count, 1),
+            "eval_images": int(count),
+        }
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        model = {k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
-                 for k, v in self.module.state_dict().items()}
+        model = {
+            k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+            for k, v in self.module.state_dict().items()
+        }
         if self.amp.master_weights:  # the fp32 master copy is the true value of the weights
             names = {p: n for n, p in self.module.named_parameters()}
             model.update({names[p]: m.detach().cpu() for p, m in self.master.items()})
-        return {"model": model, "optimizer": self.optimizer.state_dict(),
-                "scaler": self.scaler.state_dict()}
+        return {
+            "model": model,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])

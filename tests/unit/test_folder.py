@@ -1,0 +1,91 @@
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
+from data.loaders import DataConfig, build_train_loader
+from data.prepare import prepare_mock_imagenet
+
+
+def add_bad_files(root: Path) -> dict[str, Path]:
+    """Real files of every awkward kind in the first class folder of train/."""
+    folder = sorted((root / "train").iterdir())[0]
+    good = next(folder.glob("*.JPEG")).read_bytes()
+    rgb = np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    files = {
+        "truncated": folder / "truncated.jpg",
+        "empty": folder / "empty.jpg",
+        "not_image": folder / "notes.png",
+        "gray": folder / "gray.jpg",
+        "rgba": folder / "rgba.png",
+        "cmyk": folder / "cmyk.jpg",
+    }
+    files["truncated"].write_bytes(good[: len(good) // 2])
+    files["empty"].write_bytes(b"")
+    files["not_image"].write_text("this is not an image\n")
+    Image.fromarray(rgb[..., 0], mode="L").save(files["gray"])
+    Image.fromarray(np.dstack([rgb, rgb[..., :1]]), mode="RGBA").save(files["rgba"])
+    Image.fromarray(rgb, mode="RGB").convert("CMYK").save(files["cmyk"])
+    return files
+
+
+@pytest.fixture(scope="module")
+def mock_imagenet(tmp_path_factory) -> Path:
+    root = prepare_mock_imagenet(
+        tmp_path_factory.mktemp("mock") / "imagenet",
+        classes=3,
+        per_class=6,
+        val_per_class=2,
+        size=40,
+        progress=False,
+    )
+    add_bad_files(root)
+    return root
+
+
+def test_prepare_writes_real_jpegs_in_imagenet_layout(mock_imagenet):
+    train = sorted((mock_imagenet / "train").iterdir())
+    assert len(train) == 3 and len(list((mock_imagenet / "val").iterdir())) == 3
+    with Image.open(next(train[1].glob("*.JPEG"))) as img:
+        assert img.format == "JPEG" and img.size == (40, 40)
+
+
+def test_bad_files_are_skipped_and_odd_modes_converted(mock_imagenet):
+    ds = ImageFolderDataset(mock_imagenet, "train", eval_transform(32))
+    by_path = {path: i for i, (path, _) in enumerate(ds.samples)}
+    skipped = set()
+    for i in range(len(ds)):
+        image, _, paths = ds.load(i)
+        assert image.shape == (3, 32, 32) and image.dtype == torch.uint8
+        skipped.update(paths)
+    names = {Path(p).name for p in skipped}
+    assert names == {"truncated.jpg", "empty.jpg", "notes.png"}
+    for kind in ("gray.jpg", "rgba.png", "cmyk.jpg"):
+        idx = next(i for p, i in by_path.items() if p.endswith(kind))
+        assert ds.load(idx)[2] == ()  # loaded itself, not replaced
+
+
+def test_strict_data_stops_at_the_first_bad_file_with_its_path(mock_imagenet):
+    ds = ImageFolderDataset(mock_imagenet, "train", eval_transform(32), strict=True)
+    with pytest.raises(BadImageError, match=r"(truncated|empty)\.jpg|notes\.png"):
+        for i in range(len(ds)):
+            ds.load(i)
+
+
+def test_training_loader_decodes_jpegs_with_augmentation(mock_imagenet):
+    cfg = DataConfig(source=str(mock_imagenet), workers=0)
+    loader = build_train_loader(cfg, 32, 4, rank=0, world_size=1, seed=0)
+    loader.batch_sampler.set_epoch(0)
+    batch = next(iter(loader))
+    assert batch["images"].shape == (4, 3, 32, 32) and batch["targets"].shape == (4, 3)
+
+
+def test_missing_and_empty_folders_are_reported(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        ImageFolderDataset(tmp_path / "nope", "train", eval_transform(32))
+    (tmp_path / "empty" / "train").mkdir(parents=True)
+    with pytest.raises(DatasetError, match="empty"):
+        ImageFolderDataset(tmp_path / "empty", "train", eval_transform(32))

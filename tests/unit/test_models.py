@@ -1,0 +1,35 @@
+import pytest
+import torch
+
+from models.factory import ModelConfig, UnknownModelError, check_model_name, create_model
+
+
+@pytest.mark.parametrize("name", ["vit_micro", "swin_micro"])
+@pytest.mark.parametrize("pool", ["token", "avg"])
+def test_micro_models_take_uint8_and_give_logits(name, pool):
+    model = create_model(ModelConfig(name, num_classes=7, pool=pool))
+    images = torch.randint(0, 256, (2, *model.input_size), dtype=torch.uint8)
+    logits = model(images)
+    assert logits.shape == (2, 7)
+    assert logits.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) < 200_000
+
+
+def test_avg_pool_removes_the_class_token():
+    assert create_model(ModelConfig("vit_micro")).model.cls_token is not None
+    assert create_model(ModelConfig("vit_micro", pool="avg")).model.cls_token is None
+
+
+def test_normalisation_happens_inside_the_model():
+    model = create_model(ModelConfig("vit_micro"))
+    images = torch.randint(0, 256, (2, *model.input_size), dtype=torch.uint8)
+    expected = model.model(
+        (images.float() / 255 - torch.tensor(model.model.pretrained_cfg["mean"]).view(1, 3, 1, 1))
+        / torch.tensor(model.model.pretrained_cfg["std"]).view(1, 3, 1, 1)
+    )
+    torch.testing.assert_close(model(images), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_unknown_model_names_close_matches():
+    with pytest.raises(UnknownModelError, match="vit_micro"):
+        check_model_name("vit_mirco")
