@@ -52,7 +52,15 @@ class RunConfig:
     eval: bool = True
     timing_warmup_steps: int = 2  # steps left out of images_per_sec
     nproc_per_node: int = 1
-    backend_options: dict = field(default_factory=dict)
+    # XLA compiler backends (xla, jax)
+    max_recompiles: int = -1  # stop when more compiles than this follow warm-up; -1 = no limit
+    compile_cache: str = ""  # persistent compilation cache; "" = OUTPUT/.compile_cache/<backend>
+    loader_prefetch: int = 8  # host batches queued ahead of the device transfer
+    device_prefetch: int = 4  # batches already on the device ahead of the step
+    grad_reduce: str = "all_reduce"  # xla: explicit xm.all_reduce, or xm.reduce_gradients
+
+    def compile_cache_dir(self) -> Path:
+        return Path(self.compile_cache or Path(self.output) / ".compile_cache" / self.backend)
 
     def run_dir(self) -> Path:
         return Path(self.output) / self.model.name / self.backend / self.run_name

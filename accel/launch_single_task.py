@@ -7,17 +7,21 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
 from datetime import datetime
 from pathlib import Path
+from types import ModuleType
 
 START = time.perf_counter()
 
 from accel.backends import BackendUnavailable, backend_module  # noqa: E402
+from accel.backends.base import RecompileError  # noqa: E402
 from accel.config import AMP_LEVELS, BACKENDS, ConfigError, OptimConfig, RunConfig  # noqa: E402
 from accel.distributed import (  # noqa: E402
+    DistContext,
     destroy_process_group,
     env_context,
     init_process_group,
@@ -29,6 +33,7 @@ from data.loaders import DataConfig, dataset_num_classes  # noqa: E402
 from models.factory import ModelConfig, UnknownModelError, check_model_name  # noqa: E402
 
 USER_ERRORS = (ConfigError, BackendUnavailable, UnknownModelError, DatasetError, BadImageError)
+EXIT_RECOMPILES = 3
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -54,6 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--model", default="vit_micro", help="any timm model name, or vit_micro/swin_micro"
     )
     p.add_argument("--pool", choices=("token", "avg"), default="token", help="classifier pooling")
+    p.add_argument(
+        "--drop_path",
+        type=float,
+        default=None,
+        help="stochastic depth rate (default: the model's own)",
+    )
     p.add_argument("--data", default="synthetic", help="'synthetic' or an ImageNet-layout folder")
     p.add_argument("--num_classes", type=int, default=10, help="synthetic data only")
     p.add_argument("--synthetic_length", type=int, default=1024)
@@ -95,6 +106,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="", help="'auto' (latest of this run) or a checkpoint path")
     p.add_argument("--log_every", type=int, default=10)
     p.add_argument("--no-eval", dest="eval", action="store_false", help="skip final evaluation")
+    xla = p.add_argument_group("XLA compiler backends (xla, jax)")
+    xla.add_argument(
+        "--max_recompiles",
+        type=int,
+        default=-1,
+        help="stop when more graphs than this compile after warm-up (-1: no limit)",
+    )
+    xla.add_argument(
+        "--compile_cache",
+        default="",
+        help="persistent compilation cache folder (default OUTPUT/.compile_cache/)",
+    )
+    xla.add_argument("--loader_prefetch", type=int, default=8, help="host batches queued ahead")
+    xla.add_argument("--device_prefetch", type=int, default=4, help="device batches queued ahead")
+    xla.add_argument(
+        "--grad_reduce",
+        choices=("all_reduce", "optimizer_step"),
+        default="all_reduce",
+        help="xla: explicit xm.all_reduce of the gradients, or torch_xla's "
+        "reduce_gradients (what xm.optimizer_step does)",
+    )
     return p
 
 
@@ -133,7 +165,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
     )
     return RunConfig(
         backend=backend,
-        model=ModelConfig(args.model, args.num_classes, args.pool),
+        model=ModelConfig(args.model, args.num_classes, args.pool, args.drop_path),
         data=data,
         optim=optim,
         batch_size=args.batch_size,
@@ -151,10 +183,15 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         log_every=args.log_every,
         eval=args.eval,
         nproc_per_node=args.nproc_per_node,
+        max_recompiles=args.max_recompiles,
+        compile_cache=args.compile_cache,
+        loader_prefetch=args.loader_prefetch,
+        device_prefetch=args.device_prefetch,
+        grad_reduce=args.grad_reduce,
     )
 
 
-def validate(cfg: RunConfig) -> None:
+def validate(cfg: RunConfig) -> ModuleType:
     """Fail fast, before any process starts, on input that cannot work."""
     if cfg.amp_level not in AMP_LEVELS:
         raise ConfigError(
@@ -170,7 +207,7 @@ def validate(cfg: RunConfig) -> None:
     if not cfg.data.is_synthetic:
         dataset_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
     _check_gpu_count(cfg)
-    backend_module(cfg.backend)  # raises BackendUnavailable with the install command
+    return backend_module(cfg.backend)  # raises BackendUnavailable with the install command
 
 
 def _check_gpu_count(cfg: RunConfig) -> None:
@@ -238,23 +275,33 @@ def run(argv: list[str]) -> int:
     ctx = env_context()
     if ctx.is_main:
         print(f"accel: backend {backend} ({why})", flush=True)
-    validate(cfg)
+    module = validate(cfg)
     cfg.run_name = resolve_run_name(cfg)
     if cfg.nproc_per_node > 1 and not launched_by_torchrun():
-        return spawn(cfg, argv)
+        if not hasattr(module, "launch_replicas"):
+            return spawn(cfg, argv)
+        from accel.train import run_replica
+
+        module.launch_replicas(cfg, run_replica)  # the backend's own multi-replica launcher
+    else:
+        train_here(cfg, ctx)
+    if ctx.is_main:
+        summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+        print(
+            f"accel: {summary['images_per_sec']:.1f} img/s ({backend}, {cfg.model.name}, "
+            f"world size {summary['world_size']}); summary in {cfg.run_dir() / 'summary.json'}"
+        )
+    return 0
+
+
+def train_here(cfg: RunConfig, ctx: DistContext) -> None:
     from accel.train import Trainer
 
     init_process_group(ctx)
     try:
-        summary = Trainer(cfg, ctx, START).train()
+        Trainer(cfg, ctx, START).train()
     finally:
         destroy_process_group()
-    if ctx.is_main:
-        print(
-            f"accel: {summary['images_per_sec']:.1f} img/s ({backend}, {cfg.model.name}, "
-            f"world size {ctx.world_size}); summary in {cfg.run_dir() / 'summary.json'}"
-        )
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
     except USER_ERRORS as err:
         print(f"launch_single_task: error: {one_line(err)}", file=sys.stderr)
         return 2
+    except RecompileError as err:
+        print(f"launch_single_task: error: {one_line(err)}", file=sys.stderr)
+        return EXIT_RECOMPILES
     except KeyboardInterrupt:
         print("launch_single_task: interrupted", file=sys.stderr)
         return 130

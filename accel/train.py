@@ -15,7 +15,7 @@ import torch
 from tqdm import tqdm
 
 from accel import checkpoint as ckpt
-from accel.backends import Backend, create_backend
+from accel.backends import Backend, backend_module, create_backend
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.metrics import RunLogger
@@ -275,3 +275,9 @@ class Trainer:
         for batch in loader:
             self.tracker.add(batch["skipped"])
             yield batch
+
+
+def run_replica(index: int, cfg: RunConfig) -> None:
+    """Entry point for a backend's own multi-replica launcher (one call per replica)."""
+    ctx = backend_module(cfg.backend).replica_context()
+    Trainer(cfg, ctx).train()

@@ -25,7 +25,7 @@ class ModelConfig:
     name: str = "vit_micro"
     num_classes: int = 10
     pool: str = "token"  # "token" (class token) or "avg" (average pooling, no class token)
-    drop_path_rate: float = 0.0
+    drop_path_rate: float | None = None  # stochastic depth; None keeps the model's default
 
 
 class ImageClassifier(nn.Module):
@@ -75,7 +75,7 @@ def create_model(cfg: ModelConfig) -> ImageClassifier:
     """Build a randomly initialised timm model (no weight downloads) behind uint8 normalisation."""
     check_model_name(cfg.name)
     kwargs = {"num_classes": cfg.num_classes, **_pool_kwargs(cfg.name, cfg.pool)}
-    if cfg.drop_path_rate:
+    if cfg.drop_path_rate is not None:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
     model = timm.create_model(cfg.name, pretrained=False, **kwargs)
     pcfg = model.pretrained_cfg

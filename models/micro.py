@@ -24,6 +24,8 @@ def _model_kwargs(kwargs: dict) -> dict:
     dropped = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
     kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
     kwargs.setdefault("num_classes", 10)
+    # timm's Swin defaults to stochastic depth 0.1; a two-block model has nothing to drop.
+    kwargs.setdefault("drop_path_rate", 0.0)
     return kwargs
 
 

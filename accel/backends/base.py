@@ -21,6 +21,10 @@ class BackendUnavailable(RuntimeError):
     """The backend cannot run here (missing package, version mismatch): one line, exit 2."""
 
 
+class RecompileError(RuntimeError):
+    """The compiled graph keeps changing after warm-up (--max_recompiles): one line, exit 3."""
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str

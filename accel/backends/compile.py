@@ -31,10 +31,10 @@ def _frames_compiled() -> int:
 class CompileBackend(EagerBackend):
     name = "compile"
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
+    def wrap_model(self, module: nn.Module) -> nn.Module:
         self._frames_at_warmup = 0
         mode = "max-autotune-no-cudagraphs" if self.cfg.kernel_opt else None
-        return torch.compile(model, mode=mode)
+        return torch.compile(super().wrap_model(module), mode=mode)
 
     def mark_warmup_done(self) -> None:
         self._frames_at_warmup = _frames_compiled()

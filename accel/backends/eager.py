@@ -1,4 +1,9 @@
-"""PyTorch eager backend: DDP over torch.distributed (NCCL on CUDA, gloo on CPU)."""
+"""PyTorch eager backend: DDP over torch.distributed (NCCL on CUDA, gloo on CPU).
+
+The step is split into small hooks (device, model wrapping, accumulation context, autocast,
+gradient reduction, end of step) so that backends built on torch modules (compile, xla) change
+only what differs.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import torch.distributed as dist
 from timm.loss import SoftTargetCrossEntropy
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_map
 
 from accel.amp import AmpPolicy, amp_policy
 from accel.backends.base import Batch
@@ -19,7 +25,7 @@ from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
 from models.factory import ImageClassifier
 
-KERNEL_OPTS = "fused AdamW on CUDA (foreach on CPU), flash/efficient SDPA attention via timm"
+KERNEL_OPTS = "fused AdamW on CUDA (foreach on CPU)"
 
 
 def require() -> None:
@@ -30,8 +36,21 @@ def build(cfg: RunConfig, ctx: DistContext) -> EagerBackend:
     return EagerBackend(cfg, ctx)
 
 
+def to_cpu(tree: Any) -> Any:
+    """Checkpoints hold CPU tensors only, so any backend can load them."""
+    return tree_map(lambda v: v.detach().cpu() if isinstance(v, torch.Tensor) else v, tree)
+
+
 def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return SoftTargetCrossEntropy()(logits.float(), targets)
+
+
+def eval_sums(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """[loss sum, correct, count] over the unmasked rows of a padded evaluation batch."""
+    logits, mask = logits.float(), mask.float()
+    loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+    correct = (logits.argmax(-1) == labels).float()
+    return torch.stack([(loss * mask).sum(), (correct * mask).sum(), mask.sum()])
 
 
 class EagerBackend:
@@ -41,31 +60,40 @@ class EagerBackend:
         self.cfg = cfg
         self.ctx = ctx
         self.amp: AmpPolicy = amp_policy(cfg.amp_level, cfg.amp_dtype)
-        cuda = torch.cuda.is_available()
-        self.device = torch.device(f"cuda:{ctx.local_rank}" if cuda else "cpu")
-        if cuda:
-            torch.cuda.set_device(self.device)
-        self.scaler = torch.amp.GradScaler("cuda", enabled=self.amp.loss_scaling and cuda)
+        self.device = self.default_device()
+        self.scaler = torch.amp.GradScaler(
+            "cuda", enabled=self.amp.loss_scaling and self.device.type == "cuda"
+        )
+
+    def default_device(self) -> torch.device:
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        device = torch.device(f"cuda:{self.ctx.local_rank}")
+        torch.cuda.set_device(device)
+        return device
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self, model: ImageClassifier) -> None:
         self.module = model.to(self.device, dtype=self.amp.param_dtype)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
-        wrapped: nn.Module = self.module
-        if self.ctx.distributed:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DistributedDataParallel(self.module, device_ids=ids)
-        self.model = self.wrap_model(wrapped)
-        self.optimizer = self._optimizer()
+        self.model = self.wrap_model(self.module)
+        self.optimizer = self.make_optimizer(
+            weight_decay_groups(self.module, self.cfg.optim.weight_decay)
+        )
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        return model
+    def wrap_model(self, module: nn.Module) -> nn.Module:
+        if not self.ctx.distributed:
+            return module
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids)
 
-    def _optimizer(self) -> torch.optim.Optimizer:
-        groups = weight_decay_groups(self.module, self.cfg.optim.weight_decay)
+    def make_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
         if self.amp.master_weights:
             self.master = {p: p.detach().float().clone().requires_grad_() for p in self.params}
             groups = [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups]
+        return self.adamw(groups)
+
+    def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         fast = {}
         if self.cfg.kernel_opt:
             fast = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
@@ -84,25 +112,47 @@ class EagerBackend:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp.dtype)
 
+    def accumulation_context(self, last: bool):
+        """DDP: no gradient all-reduce on the non-final micro-steps of an accumulation."""
+        if self.ctx.distributed and not last:
+            return self.model.no_sync()
+        return contextlib.nullcontext()
+
     def train_step(self, micro_batches: list[Batch], lr: float) -> torch.Tensor:
         loss = self.backward(micro_batches)
-        self._apply_update(lr)
+        self.apply_update(lr)
+        loss = self.all_reduce_mean(loss)
+        self.step_done()
         return loss
 
     def backward(self, micro_batches: list[Batch]) -> torch.Tensor:
-        """Accumulate gradients (all-reduced on the last micro-batch); returns the mean loss."""
+        """Accumulate gradients and average them over ranks; returns this rank's mean loss."""
+        loss = self.accumulate(micro_batches)
+        self.reduce_gradients()
+        return loss
+
+    def accumulate(self, micro_batches: list[Batch]) -> torch.Tensor:
         total = torch.zeros((), device=self.device)
         for i, (images, targets) in enumerate(micro_batches):
-            last = i == len(micro_batches) - 1
-            # No gradient all-reduce on the non-final micro-steps of an accumulation.
-            no_sync = self.ctx.distributed and not last
-            with self.model.no_sync() if no_sync else contextlib.nullcontext(), self.autocast():
+            with self.accumulation_context(i == len(micro_batches) - 1), self.autocast():
                 loss = soft_target_loss(self.model(images), targets) / len(micro_batches)
             self.scaler.scale(loss).backward()
             total += loss.detach()
         return total
 
-    def _apply_update(self, lr: float) -> None:
+    def reduce_gradients(self) -> None:
+        """DDP has already averaged them during backward."""
+
+    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+        if self.ctx.distributed:
+            dist.all_reduce(value)
+            value /= self.ctx.world_size
+        return value
+
+    def step_done(self) -> None:
+        """Eager work is already queued on the device."""
+
+    def apply_update(self, lr: float) -> None:
         if self.amp.master_weights:
             for p, m in self.master.items():
                 m.grad = None if p.grad is None else p.grad.float()
@@ -112,8 +162,7 @@ class EagerBackend:
         if self.cfg.optim.clip_grad > 0:
             opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
             torch.nn.utils.clip_grad_norm_(opt_params, self.cfg.optim.clip_grad)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+        self.optimizer_step()
         if self.amp.master_weights:
             with torch.no_grad():
                 for p, m in self.master.items():
@@ -121,36 +170,39 @@ class EagerBackend:
         self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
 
+    def optimizer_step(self) -> None:
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
     def fetch_losses(self, losses: list[torch.Tensor]) -> list[float]:
-        if not losses:
-            return []
-        stacked = torch.stack(losses).float()
-        if self.ctx.distributed:
-            dist.all_reduce(stacked)
-            stacked /= self.ctx.world_size
-        return stacked.cpu().tolist()
+        return torch.stack(losses).float().cpu().tolist() if losses else []
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
         self.module.eval()
-        sums = torch.zeros(3, dtype=torch.float64, device=self.device)
+        sums = torch.zeros(3, device=self.device)
         for batch in batches:
-            images, labels = batch["images"].to(self.device), batch["labels"].to(self.device)
-            mask = batch["mask"].to(self.device)
+            images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
             with self.autocast():
-                logits = self.module(images).float()
-            loss = nn.functional.cross_entropy(logits, labels, reduction="none")
-            correct = (logits.argmax(-1) == labels).float()
-            sums += torch.stack([(loss * mask).sum(), (correct * mask).sum(), mask.sum()]).double()
+                logits = self.module(images)
+            sums += eval_sums(logits, labels, mask)
+            self.step_done()
         self.module.train()
-        if self.ctx.distributed:
-            dist.all_reduce(sums)
-        loss_sum, correct, count = sums.tolist()
+        loss_sum, correct, count = self.host_values(self.all_reduce_sum(sums))
+        count = max(count, 1.0)
         return {
-            "eval_loss": loss_sum / max(count, 1),
-            "eval_acc": correct / max(count, 1),
+            "eval_loss": loss_sum / count,
+            "eval_acc": correct / count,
             "eval_images": int(count),
         }
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if self.ctx.distributed:
+            dist.all_reduce(value)
+        return value
+
+    def host_values(self, value: torch.Tensor) -> list[float]:
+        return value.cpu().tolist()
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -163,16 +215,15 @@ class EagerBackend:
             model.update({names[p]: m.detach().cpu() for p, m in self.master.items()})
         return {
             "model": model,
-            "optimizer": self.optimizer.state_dict(),
+            "optimizer": to_cpu(self.optimizer.state_dict()),
             "scaler": self.scaler.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
         if self.amp.master_weights:
-            names = dict(self.module.named_parameters())
             with torch.no_grad():
-                for name, p in names.items():
+                for name, p in self.module.named_parameters():
                     self.master[p].copy_(state["model"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):

@@ -1,0 +1,117 @@
+"""The xla backend on PJRT CPU: real torch_xla, real compiles."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch_xla.debug.metrics as met
+
+from accel.backends.base import BackendUnavailable, RecompileError
+from accel.backends.xla import XlaBackend, check_versions, compile_count
+from accel.distributed import DistContext
+from accel.train import Trainer
+from data.collate import MixupConfig
+from models.factory import create_model
+from tests.helpers import ROOT, micro_config
+
+MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
+# Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
+ALLOWED_FALLBACK_OPS: set[str] = set()
+
+
+def _run(tmp_path, backend: str, model: str, **kw) -> tuple[dict, Trainer]:
+    # 100 training samples: not a multiple of the batch (8), so the epoch tail is dropped;
+    # the 25 evaluation samples leave a padded, masked last batch.
+    cfg = micro_config(tmp_path, backend=backend, model=model, steps=30, synthetic_length=100,
+                       mixup=MIXUP, eval=True, **kw)
+    trainer = Trainer(cfg, DistContext())
+    return trainer.train(), trainer
+
+
+@pytest.fixture(scope="module", params=["vit_micro", "swin_micro"])
+def xla_run(request, tmp_path_factory):
+    return request.param, *_run(tmp_path_factory.mktemp(request.param), "xla", request.param)
+
+
+def test_thirty_steps_with_mixup_compile_nothing_after_warmup(xla_run):
+    _, summary, _ = xla_run
+    assert summary["steps"] == 30 and len(summary["losses"]) == 30
+    assert summary["compiles_after_warmup"] == 0
+    assert 1 <= summary["graphs_compiled"] <= 3
+    assert set(summary["fallback_ops"]) <= ALLOWED_FALLBACK_OPS
+    assert summary["input_shapes"] == ["(8, 3, 32, 32)"]
+
+
+def test_padded_evaluation_counts_every_sample_and_does_not_recompile(xla_run):
+    _, summary, trainer = xla_run
+    assert summary["eval_images"] == 25
+    before = compile_count()
+    again = trainer.evaluate()  # same graphs: the ragged tail is padded, never a new shape
+    assert compile_count() == before
+    assert again["eval_loss"] == pytest.approx(summary["eval_loss"], rel=1e-5)
+
+
+def test_first_five_losses_equal_eager_at_o0(xla_run, tmp_path):
+    model, summary, _ = xla_run
+    eager, _ = _run(tmp_path, "eager", model)
+    assert summary["losses"][:5] == pytest.approx(eager["losses"][:5], rel=1e-3)
+
+
+def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
+    cfg = micro_config(tmp_path, backend="xla", amp_level="O1")
+    backend = XlaBackend(cfg, DistContext())
+    backend.setup(create_model(cfg.model))
+    seen = []
+    linear = next(m for m in backend.module.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda m, i, out: seen.append((out.dtype, out.device.type)))
+    images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8).to(backend.device)
+    with backend.autocast():
+        backend.model(images)
+    assert seen[0] == (torch.bfloat16, "xla")
+    assert {p.dtype for p in backend.module.parameters()} == {torch.float32}
+
+
+def test_changing_batch_shape_stops_with_the_cause(tmp_path):
+    cfg = micro_config(tmp_path, backend="xla", max_recompiles=0)
+    backend = XlaBackend(cfg, DistContext())
+    backend.setup(create_model(cfg.model))
+
+    def batch(n):
+        images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8)
+        return next(backend.device_batches([(images, torch.full((n, 10), 0.1))]))
+
+    for _ in range(2):
+        backend.train_step([batch(8)], lr=1e-3)
+    backend.mark_warmup_done()
+    backend.train_step([batch(8)], lr=1e-3)  # warm: no compile
+    with pytest.raises(RecompileError, match=r"batch shape changed.*\(4, 3, 32, 32\)"):
+        backend.train_step([batch(4)], lr=1e-3)
+    assert met.counter_value("UncachedCompile") >= 2
+
+
+def test_versions_that_do_not_pair_are_named():
+    check_versions("2.9.0+cu128", "2.9.0")
+    with pytest.raises(BackendUnavailable, match=r"torch 2\.10\.1 .* torch_xla 2\.9\.0"):
+        check_versions("2.10.1", "2.9.0")
+
+
+def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
+    code = ("import sys; sys.modules['torch_xla'] = None; "
+            "from accel.launch_single_task import main; "
+            f"sys.exit(main(['--backend', 'xla', '--steps', '1', '--output', '{tmp_path}']))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                            cwd=ROOT, timeout=120)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0
+    assert "pip install 'accel[xla]'" in result.stderr
+
+
+def test_more_than_one_cpu_replica_is_refused(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "accel.launch_single_task", "--backend", "xla",
+         "--nproc_per_node", "2", "--steps", "1", "--output", str(tmp_path)],
+        capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert "one replica on PJRT CPU" in result.stderr
+    assert not list(tmp_path.glob("**/summary.json"))
