@@ -67,7 +67,8 @@ class RunLogger:
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.run_dir / "summary.json"
         tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(summary, indent=2, sort_keys=True, default=str))
+        clean = {k: _finite_or_none(v) for k, v in summary.items()}
+        tmp.write_text(json.dumps(clean, indent=2, sort_keys=True, default=str))
         tmp.replace(path)
         return path
 

@@ -98,8 +98,10 @@ class Trainer:
         self.model = create_model(cfg.model)
         self.image_size = self.model.input_size[-1]
         self.backend.setup(self.model)
+        # A backend driving several local devices from one process (jax) loads a batch for each.
+        self.host_batch = cfg.batch_size * self.backend.local_replicas
         self.loader = build_train_loader(
-            cfg.data, self.image_size, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed
+            cfg.data, self.image_size, self.host_batch, ctx.rank, ctx.world_size, cfg.seed
         )
         self.steps_per_epoch = len(self.loader.batch_sampler) // cfg.optim.grad_accum
         if self.steps_per_epoch < 1:
@@ -118,7 +120,7 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        return self.cfg.batch_size * self.ctx.world_size * self.cfg.optim.grad_accum
+        return self.host_batch * self.ctx.world_size * self.cfg.optim.grad_accum
 
     # --- checkpoints --------------------------------------------------------------------------
     def resume(self) -> None:
@@ -238,7 +240,7 @@ class Trainer:
         summary = {
             "backend": self.backend.name,
             "model": self.cfg.model.name,
-            "world_size": self.ctx.world_size,
+            "world_size": self.ctx.world_size * self.backend.local_replicas,
             "amp_level": self.cfg.amp_level,
             "global_batch_size": self.global_batch,
             "steps": self.state.step,
@@ -264,7 +266,7 @@ class Trainer:
         loader = build_eval_loader(
             self.cfg.data,
             self.image_size,
-            self.cfg.batch_size,
+            self.host_batch,
             self.ctx.rank,
             self.ctx.world_size,
             self.cfg.seed,

@@ -22,9 +22,26 @@ from bench.compare_backends import device_name, versions  # noqa: E402
 
 
 def launch(args: argparse.Namespace, out: Path, cache: Path, run: str) -> dict:
-    cmd = [sys.executable, "-m", "accel.launch_single_task", "--backend", "xla", "--model",
-           args.model, "--steps", str(args.steps), "--batch_size", str(args.batch_size),
-           "--output", str(out), "--run_name", run, "--compile_cache", str(cache), "--no-eval"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "accel.launch_single_task",
+        "--backend",
+        "xla",
+        "--model",
+        args.model,
+        "--steps",
+        str(args.steps),
+        "--batch_size",
+        str(args.batch_size),
+        "--output",
+        str(out),
+        "--run_name",
+        run,
+        "--compile_cache",
+        str(cache),
+        "--no-eval",
+    ]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     return json.loads((out / args.model / "xla" / run / "summary.json").read_text())
 
@@ -39,17 +56,27 @@ def main(argv: list[str] | None = None) -> int:
         out, cache = Path(tmp) / "runs", Path(tmp) / "cache"
         first, second = (launch(args, out, cache, run) for run in ("first", "second"))
     ratio = first["time_to_first_step_s"] / second["time_to_first_step_s"]
-    print(f"first launch:  {first['time_to_first_step_s']:.1f} s to first step, "
-          f"{first['graphs_compiled']} graphs compiled")
-    print(f"second launch: {second['time_to_first_step_s']:.1f} s to first step, "
-          f"persistent cache used: {second['persistent_cache']}, "
-          f"hits: {second['persistent_cache_hits']}")
+    print(
+        f"first launch:  {first['time_to_first_step_s']:.1f} s to first step, "
+        f"{first['graphs_compiled']} graphs compiled"
+    )
+    print(
+        f"second launch: {second['time_to_first_step_s']:.1f} s to first step, "
+        f"persistent cache used: {second['persistent_cache']}, "
+        f"hits: {second['persistent_cache_hits']}"
+    )
     print(f"ratio: {ratio:.2f}x")
-    record = {"device": device_name(), "versions": versions(), "settings": vars(args),
-              "note": "one pair of launches", "first": first["time_to_first_step_s"],
-              "second": second["time_to_first_step_s"], "ratio": ratio,
-              "persistent_cache": second["persistent_cache"],
-              "persistent_cache_hits": second["persistent_cache_hits"]}
+    record = {
+        "device": device_name(),
+        "versions": versions(),
+        "settings": vars(args),
+        "note": "one pair of launches",
+        "first": first["time_to_first_step_s"],
+        "second": second["time_to_first_step_s"],
+        "ratio": ratio,
+        "persistent_cache": second["persistent_cache"],
+        "persistent_cache_hits": second["persistent_cache_hits"],
+    }
     path = ROOT / "bench" / "results" / f"xla-compile-cache-{args.model}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"written {path}")

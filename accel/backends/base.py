@@ -28,6 +28,7 @@ class RecompileError(RuntimeError):
 @runtime_checkable
 class Backend(Protocol):
     name: str
+    local_replicas: int  # devices one process drives (jax: its local devices; others: 1)
 
     def setup(self, model: ImageClassifier) -> None:
         """Place the model, build the optimizer and whatever the step needs."""

@@ -55,6 +55,7 @@ def eval_sums(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) ->
 
 class EagerBackend:
     name = "eager"
+    local_replicas = 1  # devices this process drives
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg = cfg

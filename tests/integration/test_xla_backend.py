@@ -23,8 +23,16 @@ ALLOWED_FALLBACK_OPS: set[str] = set()
 def _run(tmp_path, backend: str, model: str, **kw) -> tuple[dict, Trainer]:
     # 100 training samples: not a multiple of the batch (8), so the epoch tail is dropped;
     # the 25 evaluation samples leave a padded, masked last batch.
-    cfg = micro_config(tmp_path, backend=backend, model=model, steps=30, synthetic_length=100,
-                       mixup=MIXUP, eval=True, **kw)
+    cfg = micro_config(
+        tmp_path,
+        backend=backend,
+        model=model,
+        steps=30,
+        synthetic_length=100,
+        mixup=MIXUP,
+        eval=True,
+        **kw,
+    )
     trainer = Trainer(cfg, DistContext())
     return trainer.train(), trainer
 
@@ -97,11 +105,14 @@ def test_versions_that_do_not_pair_are_named():
 
 
 def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
-    code = ("import sys; sys.modules['torch_xla'] = None; "
-            "from accel.launch_single_task import main; "
-            f"sys.exit(main(['--backend', 'xla', '--steps', '1', '--output', '{tmp_path}']))")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            cwd=ROOT, timeout=120)
+    code = (
+        "import sys; sys.modules['torch_xla'] = None; "
+        "from accel.launch_single_task import main; "
+        f"sys.exit(main(['--backend', 'xla', '--steps', '1', '--output', '{tmp_path}']))"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "pip install 'accel[xla]'" in result.stderr
@@ -109,9 +120,24 @@ def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
 
 def test_more_than_one_cpu_replica_is_refused(tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "accel.launch_single_task", "--backend", "xla",
-         "--nproc_per_node", "2", "--steps", "1", "--output", str(tmp_path)],
-        capture_output=True, text=True, cwd=ROOT, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "accel.launch_single_task",
+            "--backend",
+            "xla",
+            "--nproc_per_node",
+            "2",
+            "--steps",
+            "1",
+            "--output",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=120,
+    )
     assert result.returncode == 2, result.stderr[-2000:]
     assert "one replica on PJRT CPU" in result.stderr
     assert not list(tmp_path.glob("**/summary.json"))
