@@ -28,7 +28,8 @@ lint: setup
 	$(BIN)/ruff format --check .
 
 bench: setup
-	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro --backends eager,compile --tag cpu-eager-vs-compile
+	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro \
+		--backends eager,compile,jax,jax+kernel_opt --tag cpu-micro-all-backends
 
 clean:
 	rm -rf $(VENV) $(DEMO) runs

@@ -40,9 +40,13 @@ class AmpPolicy:
         return self.dtype == torch.float16 and self.level in ("O1", "O2")
 
 
-def amp_policy(level: str, dtype: str = "bfloat16") -> AmpPolicy:
+def check_amp_level(level: str) -> None:
     if level not in AMP_LEVELS:
         raise ConfigError(f"unknown AMP level '{level}' (choose from {', '.join(AMP_LEVELS)})")
+
+
+def amp_policy(level: str, dtype: str = "bfloat16") -> AmpPolicy:
+    check_amp_level(level)
     if dtype not in DTYPES:
         raise ConfigError(f"unknown AMP dtype '{dtype}' (choose from {', '.join(DTYPES)})")
     if level == "O3":

@@ -17,6 +17,7 @@ from types import ModuleType
 
 START = time.perf_counter()
 
+from accel.amp import check_amp_level  # noqa: E402
 from accel.backends import BackendUnavailable, backend_module  # noqa: E402
 from accel.backends.base import RecompileError  # noqa: E402
 from accel.config import AMP_LEVELS, BACKENDS, ConfigError, OptimConfig, RunConfig  # noqa: E402
@@ -193,10 +194,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
 
 def validate(cfg: RunConfig) -> ModuleType:
     """Fail fast, before any process starts, on input that cannot work."""
-    if cfg.amp_level not in AMP_LEVELS:
-        raise ConfigError(
-            f"unknown AMP level '{cfg.amp_level}' (choose from {', '.join(AMP_LEVELS)})"
-        )
+    check_amp_level(cfg.amp_level)
     check_model_name(cfg.model.name)
     if cfg.batch_size < 1 or cfg.optim.grad_accum < 1 or cfg.nproc_per_node < 1:
         raise ConfigError("--batch_size, --grad_accum and --nproc_per_node must be >= 1")

@@ -132,7 +132,7 @@ class Trainer:
             raise ConfigError(f"checkpoint {path} is for model {saved['config']['model']['name']}")
         self.backend.load_state_dict(saved["backend"])
         self.state = LoopState(**saved["loop"])
-        self.tracker.state = self.state
+        self.tracker = SkipTracker(self.state, self.logger)
         ckpt.set_rng_state(saved["rng"])
         self.logger.info(f"resumed from {path} at step {self.state.step}")
 
@@ -190,14 +190,14 @@ class Trainer:
             disable=not self.ctx.is_main,
             dynamic_ncols=True,
         )
-        loop_start = time.perf_counter()
-        while self.state.step < self.total_steps:
-            self._run_epoch(bar)
-        self.flush()
-        self.backend.synchronize()
-        self.timer.loop_s = time.perf_counter() - loop_start
-        end = time.perf_counter()
-        bar.close()
+        with bar:  # closed (its line ended) on errors too, so error messages start a line
+            loop_start = time.perf_counter()
+            while self.state.step < self.total_steps:
+                self._run_epoch(bar)
+            self.flush()
+            self.backend.synchronize()
+            self.timer.loop_s = time.perf_counter() - loop_start
+            end = time.perf_counter()
         self.save()
         return self._finish(end)
 

@@ -71,11 +71,7 @@ def replica_context() -> DistContext:
 def to_jax(tensor: torch.Tensor, dtype=None) -> jax.Array:
     value = tensor.detach().cpu()
     array = jnp.asarray(value.float().numpy() if value.dtype == torch.bfloat16 else value.numpy())
-    return (
-        array.astype(dtype)
-        if dtype is not None and jnp.issubdtype(array.dtype, jnp.floating)
-        else array
-    )
+    return array if dtype is None else cast_floating(array, dtype)
 
 
 def to_torch(array: jax.Array) -> torch.Tensor:
@@ -331,9 +327,9 @@ class JaxBackend:
 
     def state_dict(self) -> dict[str, Any]:
         values = {**self.buffers, **self.params}
+        # The torch module's own dtypes (fp32 weights, int64 indices; JAX keeps int32).
         model = {
-            k: to_torch(values[k]).float() if values[k].dtype != jnp.int64 else to_torch(values[k])
-            for k in self.module.state_dict()
+            k: to_torch(values[k]).to(ref.dtype) for k, ref in self.module.state_dict().items()
         }
         adam = adam_state(self.opt_state)
         step = torch.tensor(float(jax.device_get(adam.count)))

@@ -17,8 +17,8 @@ sizes its per-device queues then): run eager and xla in separate processes, or x
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -63,9 +63,15 @@ def build(cfg: RunConfig, ctx: DistContext) -> XlaBackend:
     return XlaBackend(cfg, ctx)
 
 
+def runs_on_cpu() -> bool:
+    """Where PJRT will run, without starting the runtime (torch_xla.launch must start it)."""
+    device = os.environ.get("PJRT_DEVICE", "")
+    return device == "CPU" or (not device and importlib.util.find_spec("libtpu") is None)
+
+
 def launch_replicas(cfg: RunConfig, fn: Callable[[int, RunConfig], Any]) -> None:
     """Run `fn(index, cfg)` on every replica (one process per chip)."""
-    if os.environ.setdefault("PJRT_DEVICE", "CPU") == "CPU":
+    if runs_on_cpu():
         raise ConfigError(
             "--backend xla runs one replica on PJRT CPU (its in-process all-reduce between "
             "threads is unreliable); use --nproc_per_node 1, or eager/compile for CPU DDP"
@@ -77,18 +83,14 @@ def replica_context() -> DistContext:
     return DistContext(xr.global_ordinal(), xr.local_ordinal(), xr.world_size())
 
 
-_CACHE_LOCK = threading.Lock()
-
-
 def init_compile_cache(path: Path, readonly: bool) -> bool:
     """Set the persistent cache before the first computation, once per process; False where the
     device cannot use one (PJRT CPU cannot deserialise executables)."""
     if xr.device_type() == "CPU":
         return False
-    with _CACHE_LOCK:
-        if not os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
-            path.mkdir(parents=True, exist_ok=True)
-            xr.initialize_cache(str(path), readonly=readonly)
+    if not os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
+        path.mkdir(parents=True, exist_ok=True)
+        xr.initialize_cache(str(path), readonly=readonly)
     return True
 
 

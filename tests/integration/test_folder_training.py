@@ -1,0 +1,69 @@
+"""Training on real JPEG folders with bad files, through the launcher."""
+
+import pytest
+
+from data.prepare import prepare_mock_imagenet
+from tests.helpers import read_summary, run_cli
+from tests.unit.test_folder import add_bad_files
+
+
+@pytest.fixture(scope="module")
+def dirty_imagenet(tmp_path_factory):
+    root = prepare_mock_imagenet(
+        tmp_path_factory.mktemp("dirty") / "imagenet",
+        classes=3,
+        per_class=6,
+        val_per_class=3,
+        size=40,
+        progress=False,
+    )
+    add_bad_files(root)
+    return root
+
+
+def test_unreadable_files_are_skipped_counted_and_odd_modes_trained_on(tmp_path, dirty_imagenet):
+    result = run_cli(
+        "--model",
+        "vit_micro",
+        "--data",
+        str(dirty_imagenet),
+        "--epochs",
+        "1",
+        "--batch_size",
+        "4",
+        "--workers",
+        "0",
+        "--output",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path)
+    assert summary["skipped_images"] == 3  # truncated, empty and non-image; gray/RGBA/CMYK train
+    assert summary["steps"] == 6  # 24 files, batch 4, one epoch
+    for name in ("truncated.jpg", "empty.jpg", "notes.png"):
+        assert result.stderr.count(f"skipped unreadable image {dirty_imagenet}") >= 1
+        assert result.stderr.count(name) == 1, name  # one warning per file
+    assert summary["eval_images"] == 9
+
+
+def test_strict_data_stops_at_the_first_bad_file_from_a_worker(tmp_path, dirty_imagenet):
+    result = run_cli(
+        "--model",
+        "vit_micro",
+        "--data",
+        str(dirty_imagenet),
+        "--epochs",
+        "1",
+        "--batch_size",
+        "4",
+        "--workers",
+        "1",
+        "--strict-data",
+        "--output",
+        str(tmp_path),
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert errors[0].startswith("launch_single_task: error: unreadable image")
+    assert str(dirty_imagenet) in errors[0]
