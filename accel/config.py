@@ -52,6 +52,7 @@ class RunConfig:
     eval: bool = True
     timing_warmup_steps: int = 2  # steps left out of images_per_sec
     nproc_per_node: int = 1
+    peak_tflops: float = 0.0  # accelerator bf16 peak for MFU; 0 looks the device up
     # XLA compiler backends (xla, jax)
     max_recompiles: int = -1  # stop when more compiles than this follow warm-up; -1 = no limit
     compile_cache: str = ""  # persistent compilation cache; "" = OUTPUT/.compile_cache/<backend>

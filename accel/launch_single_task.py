@@ -51,6 +51,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
     p.add_argument(
+        "--compare",
+        default="",
+        help="run the same job on each of these backends (e.g. eager,xla) and print a table: "
+        "img/s, speed-up over the first, time to first step, compiles after warm-up",
+    )
+    p.add_argument(
         "--backend",
         choices=BACKENDS,
         default=None,
@@ -107,6 +113,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", default="", help="'auto' (latest of this run) or a checkpoint path")
     p.add_argument("--log_every", type=int, default=10)
     p.add_argument("--no-eval", dest="eval", action="store_false", help="skip final evaluation")
+    p.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=0.0,
+        help="accelerator bf16 peak TFLOP/s for MFU (default: looked up by device)",
+    )
     xla = p.add_argument_group("XLA compiler backends (xla, jax)")
     xla.add_argument(
         "--max_recompiles",
@@ -189,6 +201,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         loader_prefetch=args.loader_prefetch,
         device_prefetch=args.device_prefetch,
         grad_reduce=args.grad_reduce,
+        peak_tflops=args.peak_tflops,
     )
 
 
@@ -268,6 +281,10 @@ def one_line(err: BaseException) -> str:
 
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.compare:
+        from accel.compare import parse_backends, run_comparison
+
+        return run_comparison(argv, parse_backends(args.compare), args.model, args.output)
     backend, why = resolve_backend(args.backend, dict(os.environ))
     cfg = config_from_args(args, backend)
     ctx = env_context()

@@ -18,6 +18,7 @@ from accel import checkpoint as ckpt
 from accel.backends import Backend, backend_module, create_backend
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
+from accel.flops import device_name, mfu, peak_tflops, train_flops_per_image
 from accel.metrics import RunLogger
 from accel.optim import LRSchedule
 from data.loaders import build_eval_loader, build_train_loader, dataset_num_classes
@@ -97,6 +98,7 @@ class Trainer:
         self.backend: Backend = create_backend(cfg, ctx)
         self.model = create_model(cfg.model)
         self.image_size = self.model.input_size[-1]
+        self.flops_per_image = train_flops_per_image(self.model)  # on the host, before placement
         self.backend.setup(self.model)
         # A backend driving several local devices from one process (jax) loads a batch for each.
         self.host_batch = cfg.batch_size * self.backend.local_replicas
@@ -251,6 +253,7 @@ class Trainer:
             "skipped_images": len(self.state.skipped),
             "seed": self.cfg.seed,
             "kernel_opt": self.cfg.kernel_opt,
+            **self._utilisation(ips),
             "run_dir": str(self.cfg.run_dir()),
             **self.backend.stats(),
         }
@@ -261,6 +264,17 @@ class Trainer:
             self.logger.info(f"{ips:.1f} img/s, final loss {self.state.losses[-1]:.4f}")
         self.logger.close()
         return summary
+
+    def _utilisation(self, ips: float) -> dict[str, Any]:
+        name = device_name()
+        peak = peak_tflops(name, self.cfg.peak_tflops or None)
+        devices = self.ctx.world_size * self.backend.local_replicas
+        return {
+            "flops_per_image": self.flops_per_image,
+            "device_name": name,
+            "peak_tflops": peak,
+            "mfu": mfu(ips, self.flops_per_image, peak, devices),
+        }
 
     def evaluate(self) -> dict[str, float]:
         loader = build_eval_loader(
