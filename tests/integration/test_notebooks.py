@@ -11,8 +11,9 @@ from tests.helpers import ROOT
 def execute(name: str, workdir) -> str:
     """Run notebooks/<name>.ipynb in `workdir`; return the text of all its outputs."""
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    NotebookClient(nb, timeout=600, kernel_name="python3",
-                   resources={"metadata": {"path": str(workdir)}}).execute()
+    NotebookClient(
+        nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
+    ).execute()
     texts = []
     for cell in nb.cells:
         for out in cell.get("outputs", []):

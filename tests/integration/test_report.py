@@ -2,6 +2,7 @@
 
 import csv
 import json
+import re
 import shutil
 
 import pytest
@@ -9,7 +10,7 @@ import pytest
 from accel.distributed import DistContext
 from accel.report import main as report_main
 from accel.train import Trainer
-from tests.helpers import micro_config
+from tests.helpers import micro_config, run_cli
 
 BACKENDS = ("eager", "xla", "jax")
 
@@ -67,3 +68,33 @@ def test_an_empty_tree_is_one_line_exit_2(tmp_path, capsys):
     assert report_main([str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "no finished runs" in err
+
+
+def test_compare_runs_each_backend_and_prints_one_row_each(tmp_path):
+    result = run_cli(
+        "--compare",
+        "eager,jax",
+        "--model",
+        "vit_micro",
+        "--steps",
+        "4",
+        "--batch_size",
+        "8",
+        "--workers",
+        "0",
+        "--no-eval",
+        "--output",
+        str(tmp_path),
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+    table = result.stdout[result.stdout.index("comparison of vit_micro") :]
+    assert re.search(r"\| eager \| [\d.]+ \| 1\.00 \|", table)
+    assert re.search(r"\| jax \| [\d.]+ \| [\d.]+ \|", table)
+    for backend in ("eager", "jax"):
+        assert len(list((tmp_path / "vit_micro" / backend).glob("compare-*/summary.json"))) == 1
+
+
+def test_compare_refuses_unknown_backends_in_one_line(tmp_path):
+    result = run_cli("--compare", "eager,tpu", "--steps", "1", "--output", str(tmp_path))
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "tpu" in result.stderr
