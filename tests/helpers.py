@@ -57,6 +57,18 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     )
 
 
+def run_cli_without(package: str, *args: str) -> subprocess.CompletedProcess:
+    """launch_single_task in a process where `package` cannot be imported (as if not installed)."""
+    code = (
+        f"import sys; sys.modules[{package!r}] = None; "
+        "from accel.launch_single_task import main; "
+        f"sys.exit(main({list(args)!r}))"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
+
+
 def read_summary(output: Path) -> dict:
     found = sorted(Path(output).glob("*/*/*/summary.json"))
     assert found, f"no summary.json under {output}"

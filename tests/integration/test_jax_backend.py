@@ -1,8 +1,6 @@
 """The jax backend on JAX's CPU platform, through torchax: real JAX, real compiles."""
 
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,7 +15,7 @@ from accel.train import Trainer
 from data.collate import MixupConfig
 from data.loaders import build_eval_loader
 from models.factory import create_model
-from tests.helpers import ROOT, micro_config, read_summary, run_cli
+from tests.helpers import micro_config, read_summary, run_cli, run_cli_without
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 
@@ -110,14 +108,7 @@ def test_an_op_torchax_cannot_lower_is_named_with_the_model(tmp_path, monkeypatc
 
 
 def test_missing_jax_is_one_line_with_the_install_command(tmp_path):
-    code = (
-        "import sys; sys.modules['jax'] = None; "
-        "from accel.launch_single_task import main; "
-        f"sys.exit(main(['--backend', 'jax', '--steps', '1', '--output', '{tmp_path}']))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    result = run_cli_without("jax", "--backend", "jax", "--steps", "1", "--output", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "pip install 'accel[jax]'" in result.stderr

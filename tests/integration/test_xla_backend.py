@@ -1,8 +1,5 @@
 """The xla backend on PJRT CPU: real torch_xla, real compiles."""
 
-import subprocess
-import sys
-
 import pytest
 import torch
 import torch_xla.debug.metrics as met
@@ -13,7 +10,7 @@ from accel.distributed import DistContext
 from accel.train import Trainer
 from data.collate import MixupConfig
 from models.factory import create_model
-from tests.helpers import ROOT, micro_config
+from tests.helpers import micro_config, run_cli, run_cli_without
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 # Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
@@ -105,13 +102,8 @@ def test_versions_that_do_not_pair_are_named():
 
 
 def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
-    code = (
-        "import sys; sys.modules['torch_xla'] = None; "
-        "from accel.launch_single_task import main; "
-        f"sys.exit(main(['--backend', 'xla', '--steps', '1', '--output', '{tmp_path}']))"
-    )
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
+    result = run_cli_without(
+        "torch_xla", "--backend", "xla", "--steps", "1", "--output", str(tmp_path)
     )
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
@@ -119,23 +111,15 @@ def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
 
 
 def test_more_than_one_cpu_replica_is_refused(tmp_path):
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "accel.launch_single_task",
-            "--backend",
-            "xla",
-            "--nproc_per_node",
-            "2",
-            "--steps",
-            "1",
-            "--output",
-            str(tmp_path),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
+    result = run_cli(
+        "--backend",
+        "xla",
+        "--nproc_per_node",
+        "2",
+        "--steps",
+        "1",
+        "--output",
+        str(tmp_path),
         timeout=120,
     )
     assert result.returncode == 2, result.stderr[-2000:]
