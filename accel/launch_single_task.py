@@ -15,7 +15,7 @@ from datetime import datetime
 from pathlib import Path
 from types import ModuleType
 
-START = time.perf_counter()
+START = time.perf_counter()  # before the heavy imports below: time_to_first_step counts them
 
 from accel.amp import check_amp_level  # noqa: E402
 from accel.backends import BackendUnavailable, backend_module  # noqa: E402
