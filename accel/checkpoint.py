@@ -65,6 +65,34 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
+# Config keys that must match to resume: they change the model or the order of the data.
+RESUME_KEYS = (
+    "model.name",
+    "model.num_classes",
+    "model.pool",
+    "data.source",
+    "batch_size",
+    "optim.grad_accum",
+    "seed",
+    "world_size",
+)
+
+
+def _get(tree: dict, dotted: str) -> Any:
+    for key in dotted.split("."):
+        tree = tree.get(key) if isinstance(tree, dict) else None
+    return tree
+
+
+def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'key (checkpoint X, now Y)' for every key of RESUME_KEYS that differs."""
+    return [
+        f"{k} (checkpoint {_get(saved, k)}, now {_get(current, k)})"
+        for k in RESUME_KEYS
+        if _get(saved, k) != _get(current, k)
+    ]
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     # Our own files: they hold RNG states and numpy arrays, which weights_only refuses.
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -28,6 +28,7 @@ from accel.distributed import (  # noqa: E402
     init_process_group,
     launched_by_torchrun,
 )
+from accel.signals import TrainingStopped  # noqa: E402
 from data.collate import MixupConfig  # noqa: E402
 from data.folder import BadImageError, DatasetError  # noqa: E402
 from data.loaders import DataConfig, dataset_num_classes  # noqa: E402
@@ -328,6 +329,9 @@ def main(argv: list[str] | None = None) -> int:
     except RecompileError as err:
         print(f"launch_single_task: error: {one_line(err)}", file=sys.stderr)
         return EXIT_RECOMPILES
+    except TrainingStopped as stop:
+        print(f"accel: {stop}", flush=True)
+        return 130 if stop.signal_name == "SIGINT" else 0
     except KeyboardInterrupt:
         print("launch_single_task: interrupted", file=sys.stderr)
         return 130

@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from tqdm import tqdm
 
 from accel import checkpoint as ckpt
@@ -21,6 +22,7 @@ from accel.distributed import DistContext
 from accel.flops import device_name, mfu, peak_tflops, train_flops_per_image
 from accel.metrics import RunLogger
 from accel.optim import LRSchedule
+from accel.signals import TrainingStopped, stop_on_signals
 from data.loaders import build_eval_loader, build_train_loader, dataset_num_classes
 from models.factory import create_model
 
@@ -119,6 +121,7 @@ class Trainer:
         self.tracker = SkipTracker(self.state, self.logger)
         self.pending: list[tuple[int, Any, float]] = []
         self.start_step = 0
+        self.stopping = False
 
     @property
     def global_batch(self) -> int:
@@ -130,13 +133,20 @@ class Trainer:
         if path is None:
             return
         saved = ckpt.load_checkpoint(path)
-        if saved["config"]["model"]["name"] != self.cfg.model.name:
-            raise ConfigError(f"checkpoint {path} is for model {saved['config']['model']['name']}")
+        mismatches = ckpt.resume_mismatches(saved["config"], self._resume_identity())
+        if mismatches:
+            raise ConfigError(f"cannot resume from {path}: {'; '.join(mismatches)}")
         self.backend.load_state_dict(saved["backend"])
         self.state = LoopState(**saved["loop"])
         self.tracker = SkipTracker(self.state, self.logger)
         ckpt.set_rng_state(saved["rng"])
         self.logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def _resume_identity(self) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(self.cfg),
+            "world_size": self.ctx.world_size * self.backend.local_replicas,
+        }
 
     def _resume_path(self):
         if not self.cfg.resume:
@@ -154,7 +164,7 @@ class Trainer:
             "backend": self.backend.state_dict(),
             "loop": dataclasses.asdict(self.state),
             "rng": ckpt.rng_state(),
-            "config": dataclasses.asdict(self.cfg),
+            "config": self._resume_identity(),
         }
         if self.ctx.is_main:
             path = ckpt.save_checkpoint(
@@ -192,16 +202,31 @@ class Trainer:
             disable=not self.ctx.is_main,
             dynamic_ncols=True,
         )
-        with bar:  # closed (its line ended) on errors too, so error messages start a line
+        # The bar is closed (its line ended) on errors too, so error messages start a line.
+        with bar, stop_on_signals() as self.stop:
             loop_start = time.perf_counter()
-            while self.state.step < self.total_steps:
+            while self.state.step < self.total_steps and not self.stopping:
                 self._run_epoch(bar)
             self.flush()
             self.backend.synchronize()
             self.timer.loop_s = time.perf_counter() - loop_start
             end = time.perf_counter()
         self.save()
+        if self.stopping:
+            self.logger.close()
+            raise TrainingStopped(self.stop.signal_name, self.state.step)
         return self._finish(end)
+
+    def _stop_now(self) -> bool:
+        """Whether to stop after this step; ranks agree on it at logging boundaries, so that
+        all of them stop after the same step."""
+        if not dist.is_initialized():
+            self.stopping = self.stop.requested
+        elif self.state.step % self.cfg.log_every == 0:
+            flag = torch.tensor([float(self.stop.requested)], device=self.backend.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.stopping = bool(flag.item())
+        return self.stopping
 
     def _run_epoch(self, bar: tqdm) -> None:
         accum = self.cfg.optim.grad_accum
@@ -215,7 +240,7 @@ class Trainer:
             self.pending.append((self.state.step, loss, lr))
             self._after_step()
             bar.update(1)
-            if self.state.step >= self.total_steps:
+            if self.state.step >= self.total_steps or self._stop_now():
                 return
         self.state.epoch += 1
         self.state.batch_in_epoch = 0

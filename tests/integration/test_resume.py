@@ -1,0 +1,122 @@
+"""Nothing lost: a killed or signalled eager run resumes with the losses of an uninterrupted one,
+bit for bit (CPU, fp32)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import ROOT, read_summary, run_cli
+
+JOB = (
+    "--model",
+    "vit_micro",
+    "--steps",
+    "12",
+    "--batch_size",
+    "8",
+    "--workers",
+    "0",
+    "--save_every",
+    "1",
+    "--log_every",
+    "1",
+    "--no-eval",
+    "--run_name",
+    "r",
+)
+
+
+def start(output: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "accel.launch_single_task", *JOB, "--output", str(output)],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for_checkpoint(output: Path, step: int, proc: subprocess.Popen) -> None:
+    path = output / "vit_micro" / "eager" / "r" / "checkpoints" / f"step_{step:08d}.pt"
+    deadline = time.monotonic() + 180
+    while not path.exists():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, f"no checkpoint {path}"
+        time.sleep(0.05)
+
+
+def resume(output: Path) -> list[float]:
+    result = run_cli(*JOB, "--output", str(output), "--resume", "auto")
+    assert result.returncode == 0, result.stderr[-2000:]
+    return read_summary(output)["losses"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    output = tmp_path_factory.mktemp("uninterrupted")
+    result = run_cli(*JOB, "--output", str(output))
+    assert result.returncode == 0, result.stderr[-2000:]
+    return read_summary(output)["losses"]
+
+
+@pytest.mark.parametrize("kill_after", [3, 8])
+def test_sigkill_then_resume_auto_reproduces_every_loss(tmp_path, reference, kill_after):
+    proc = start(tmp_path)
+    wait_for_checkpoint(tmp_path, kill_after, proc)
+    proc.kill()
+    proc.wait()
+    assert resume(tmp_path) == reference  # exact: same data order, weights, moments, RNG
+
+
+def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, reference):
+    proc = start(tmp_path)
+    wait_for_checkpoint(tmp_path, 4, proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 0, stderr[-2000:]
+    assert "stopped by SIGTERM at step" in stdout and "--resume auto" in stdout
+    assert not list(tmp_path.glob("**/summary.json"))  # unfinished, and it says so
+    assert resume(tmp_path) == reference
+
+
+def test_resuming_with_an_incompatible_config_names_the_keys(tmp_path, reference):
+    first = run_cli(
+        "--steps",
+        "2",
+        "--batch_size",
+        "8",
+        "--workers",
+        "0",
+        "--no-eval",
+        "--run_name",
+        "a",
+        "--output",
+        str(tmp_path),
+    )
+    assert first.returncode == 0, first.stderr[-2000:]
+    checkpoint = next(tmp_path.glob("vit_micro/eager/a/checkpoints/*.pt"))
+    result = run_cli(
+        "--model",
+        "swin_micro",
+        "--steps",
+        "4",
+        "--batch_size",
+        "4",
+        "--workers",
+        "0",
+        "--resume",
+        str(checkpoint),
+        "--output",
+        str(tmp_path),
+    )
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in result.stderr
+    assert "model.name (checkpoint vit_micro, now swin_micro)" in errors[0]
+    assert "batch_size (checkpoint 8, now 4)" in errors[0]
