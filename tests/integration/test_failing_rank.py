@@ -1,0 +1,63 @@
+"""A rank that dies takes the whole job down quickly, named, without a hang (gloo on CPU)."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+from tests.helpers import ROOT
+
+
+def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == rank and "accel.launch_single_task" in " ".join(
+                child.cmdline()
+            ):
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None
+
+
+def test_killing_one_rank_ends_the_job_naming_it(tmp_path):
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "accel.launch_single_task",
+            "--nproc_per_node",
+            "2",
+            "--steps",
+            "100000",
+            "--batch_size",
+            "8",
+            "--workers",
+            "0",
+            "--no-eval",
+            "--log_every",
+            "1",
+            "--output",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    launcher = psutil.Process(proc.pid)
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("**/metrics.rank1.jsonl")) or rank_process(launcher, "1") is None:
+        assert proc.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)  # well inside training
+    rank_process(launcher, "1").send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    _, stderr = proc.communicate(timeout=90)
+    assert time.monotonic() - killed_at < 60
+    assert proc.returncode != 0
+    assert "training failed on rank 1" in stderr
