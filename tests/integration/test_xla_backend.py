@@ -43,7 +43,8 @@ def test_thirty_steps_with_mixup_compile_nothing_after_warmup(xla_run):
     _, summary, _ = xla_run
     assert summary["steps"] == 30 and len(summary["losses"]) == 30
     assert summary["compiles_after_warmup"] == 0
-    assert 1 <= summary["graphs_compiled"] <= 3
+    # At most a few graphs (fewer when an earlier test in this process compiled the same ones).
+    assert summary["graphs_compiled"] <= 3
     assert set(summary["fallback_ops"]) <= ALLOWED_FALLBACK_OPS
     assert summary["input_shapes"] == ["(8, 3, 32, 32)"]
 
