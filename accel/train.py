@@ -62,10 +62,14 @@ class SkipTracker:
                 warnings.warn(f"skipped unreadable image {path}", stacklevel=2)
                 self.logger.record("skipped_image", path=path)
 
+    def track(self, loader: Iterable[dict]) -> Iterator[dict]:
+        for batch in loader:
+            self.add(batch["skipped"])
+            yield batch
+
 
 def host_batches(loader: Iterable[dict], tracker: SkipTracker) -> Iterator[tuple]:
-    for batch in loader:
-        tracker.add(batch["skipped"])
+    for batch in tracker.track(loader):
         yield batch["images"], batch["targets"]
 
 
@@ -124,6 +128,11 @@ class Trainer:
         self.stopping = False
 
     @property
+    def replicas(self) -> int:
+        """Devices training data-parallel: processes times the devices each one drives."""
+        return self.ctx.world_size * self.backend.local_replicas
+
+    @property
     def global_batch(self) -> int:
         return self.host_batch * self.ctx.world_size * self.cfg.optim.grad_accum
 
@@ -145,7 +154,7 @@ class Trainer:
     def _resume_identity(self) -> dict[str, Any]:
         return {
             **dataclasses.asdict(self.cfg),
-            "world_size": self.ctx.world_size * self.backend.local_replicas,
+            "world_size": self.replicas,
         }
 
     def _resume_path(self):
@@ -267,7 +276,7 @@ class Trainer:
         summary = {
             "backend": self.backend.name,
             "model": self.cfg.model.name,
-            "world_size": self.ctx.world_size * self.backend.local_replicas,
+            "world_size": self.replicas,
             "amp_level": self.cfg.amp_level,
             "global_batch_size": self.global_batch,
             "steps": self.state.step,
@@ -293,12 +302,11 @@ class Trainer:
     def _utilisation(self, ips: float) -> dict[str, Any]:
         name = device_name()
         peak = peak_tflops(name, self.cfg.peak_tflops or None)
-        devices = self.ctx.world_size * self.backend.local_replicas
         return {
             "flops_per_image": self.flops_per_image,
             "device_name": name,
             "peak_tflops": peak,
-            "mfu": mfu(ips, self.flops_per_image, peak, devices),
+            "mfu": mfu(ips, self.flops_per_image, peak, self.replicas),
         }
 
     def evaluate(self) -> dict[str, float]:
@@ -310,12 +318,7 @@ class Trainer:
             self.ctx.world_size,
             self.cfg.seed,
         )
-        return self.backend.evaluate(self._tracked(loader))
-
-    def _tracked(self, loader: Iterable[dict]) -> Iterator[dict]:
-        for batch in loader:
-            self.tracker.add(batch["skipped"])
-            yield batch
+        return self.backend.evaluate(self.tracker.track(loader))
 
 
 def run_replica(index: int, cfg: RunConfig) -> None:

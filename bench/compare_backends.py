@@ -48,6 +48,20 @@ def versions() -> dict[str, str]:
     return found
 
 
+def write_result(name: str, record: dict) -> Path:
+    """bench/results/<name>.json: the record with the date, device and library versions."""
+    stamped = {
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "device": device_name(),
+        "versions": versions(),
+        **record,
+    }
+    path = ROOT / "bench" / "results" / f"{name}.json"
+    path.write_text(json.dumps(stamped, indent=2) + "\n")
+    print(f"\nwritten {path}")
+    return path
+
+
 def bench_one(model: str, spec: str, args: argparse.Namespace, out: Path) -> dict:
     backend, _, option = spec.partition("+")
     cfg = RunConfig(
@@ -112,17 +126,12 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append(row)
     print_table(rows)
     record = {
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "device": device_name(),
-        "versions": versions(),
         "settings": vars(args),
         "note": "one run per row; speedup is the ratio to the first backend of the model",
         "results": rows,
     }
     tag = args.tag or f"{args.backends.replace(',', '-').replace('+', '_')}-{args.amp_level}"
-    path = ROOT / "bench" / "results" / f"{tag}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\nwritten {path}")
+    write_result(tag, record)
     return 0
 
 

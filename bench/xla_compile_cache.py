@@ -18,7 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_backends import device_name, versions  # noqa: E402
+from bench.compare_backends import write_result  # noqa: E402
 
 
 def launch(args: argparse.Namespace, out: Path, cache: Path, run: str) -> dict:
@@ -66,20 +66,18 @@ def main(argv: list[str] | None = None) -> int:
         f"hits: {second['persistent_cache_hits']}"
     )
     print(f"ratio: {ratio:.2f}x")
-    record = {
-        "device": device_name(),
-        "versions": versions(),
-        "settings": vars(args),
-        "note": "one pair of launches",
-        "first": first["time_to_first_step_s"],
-        "second": second["time_to_first_step_s"],
-        "ratio": ratio,
-        "persistent_cache": second["persistent_cache"],
-        "persistent_cache_hits": second["persistent_cache_hits"],
-    }
-    path = ROOT / "bench" / "results" / f"xla-compile-cache-{args.model}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"written {path}")
+    write_result(
+        f"xla-compile-cache-{args.model}",
+        {
+            "settings": vars(args),
+            "note": "one pair of launches",
+            "first": first["time_to_first_step_s"],
+            "second": second["time_to_first_step_s"],
+            "ratio": ratio,
+            "persistent_cache": second["persistent_cache"],
+            "persistent_cache_hits": second["persistent_cache_hits"],
+        },
+    )
     return 0
 
 
