@@ -18,23 +18,19 @@ def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def rng_state() -> dict[str, Any]:
-    state = {
+def host_rng_state() -> dict[str, Any]:
+    """Python, numpy and torch CPU generators (device generators belong to the backend)."""
+    return {
         "python": random.getstate(),
         "numpy": np.random.get_state(),
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
+def set_host_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:

@@ -13,6 +13,7 @@ from models.factory import ModelConfig
 
 BACKENDS = ("eager", "compile", "xla", "jax")
 AMP_LEVELS = ("O0", "O1", "O2", "O3")
+NAN_POLICIES = ("skip", "stop")
 
 
 class ConfigError(ValueError):
@@ -53,6 +54,7 @@ class RunConfig:
     timing_warmup_steps: int = 2  # steps left out of images_per_sec
     nproc_per_node: int = 1
     peak_tflops: float = 0.0  # accelerator bf16 peak for MFU; 0 looks the device up
+    nan_policy: str = "stop"  # non-finite loss or gradients: "skip" the update, or "stop"
     # XLA compiler backends (xla, jax)
     max_recompiles: int = -1  # stop when more compiles than this follow warm-up; -1 = no limit
     compile_cache: str = ""  # persistent compilation cache; "" = OUTPUT/.compile_cache/<backend>

@@ -20,7 +20,14 @@ START = time.perf_counter()  # before the heavy imports below: time_to_first_ste
 from accel.amp import check_amp_level  # noqa: E402
 from accel.backends import BackendUnavailable, backend_module  # noqa: E402
 from accel.backends.base import RecompileError  # noqa: E402
-from accel.config import AMP_LEVELS, BACKENDS, ConfigError, OptimConfig, RunConfig  # noqa: E402
+from accel.config import (  # noqa: E402
+    AMP_LEVELS,
+    BACKENDS,
+    NAN_POLICIES,
+    ConfigError,
+    OptimConfig,
+    RunConfig,
+)
 from accel.distributed import (  # noqa: E402
     DistContext,
     destroy_process_group,
@@ -28,14 +35,16 @@ from accel.distributed import (  # noqa: E402
     init_process_group,
     launched_by_torchrun,
 )
-from accel.signals import TrainingStopped  # noqa: E402
+from accel.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from data.collate import MixupConfig  # noqa: E402
 from data.folder import BadImageError, DatasetError  # noqa: E402
 from data.loaders import DataConfig, dataset_num_classes  # noqa: E402
 from models.factory import ModelConfig, UnknownModelError, check_model_name  # noqa: E402
 
 USER_ERRORS = (ConfigError, BackendUnavailable, UnknownModelError, DatasetError, BadImageError)
+EXIT_USER_ERROR = 2
 EXIT_RECOMPILES = 3
+EXIT_NONFINITE = 4
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -104,6 +113,13 @@ def build_parser() -> argparse.ArgumentParser:
         dest="strict_data",
         action="store_true",
         help="stop at the first unreadable image instead of skipping it",
+    )
+    p.add_argument(
+        "--nan_policy",
+        choices=NAN_POLICIES,
+        default="stop",
+        help="a step with a non-finite loss or gradient never updates the weights; then skip "
+        "it and go on, or stop (checkpoint, exit 4) at the next loss fetch (--log_every)",
     )
     p.add_argument("--nproc_per_node", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
@@ -203,6 +219,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         device_prefetch=args.device_prefetch,
         grad_reduce=args.grad_reduce,
         peak_tflops=args.peak_tflops,
+        nan_policy=args.nan_policy,
     )
 
 
@@ -267,8 +284,11 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
         torchrun(args)
     except ChildFailedError as err:
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in err.failures.items())
-        print(f"launch_single_task: error: training failed on {ranks}", file=sys.stderr)
-        return 1
+        error(f"training failed on {ranks}")
+        codes = {f.exitcode for f in err.failures.values()}
+        # The ranks' own exit code where they agree on one of ours (2, 3, 4), as in one process.
+        known = (EXIT_USER_ERROR, EXIT_RECOMPILES, EXIT_NONFINITE)
+        return codes.pop() if len(codes) == 1 and codes <= set(known) else 1
     return 0
 
 
@@ -320,15 +340,24 @@ def train_here(cfg: RunConfig, ctx: DistContext) -> None:
         destroy_process_group()
 
 
+def error(message: str) -> None:
+    """One line on stderr; a process started by torchrun says which rank it is."""
+    rank = f" (rank {env_context().rank})" if launched_by_torchrun() else ""
+    print(f"launch_single_task: error{rank}: {message}", file=sys.stderr, flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except USER_ERRORS as err:
-        print(f"launch_single_task: error: {one_line(err)}", file=sys.stderr)
-        return 2
+        error(one_line(err))
+        return EXIT_USER_ERROR
     except RecompileError as err:
-        print(f"launch_single_task: error: {one_line(err)}", file=sys.stderr)
+        error(one_line(err))
         return EXIT_RECOMPILES
+    except NonFiniteLoss as err:
+        error(str(err))
+        return EXIT_NONFINITE
     except TrainingStopped as stop:
         print(f"accel: {stop}", flush=True)
         return 130 if stop.signal_name == "SIGINT" else 0

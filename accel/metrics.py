@@ -18,6 +18,11 @@ def metrics_filename(rank: int) -> str:
 
 
 def _finite_or_none(value: Any) -> Any:
+    """JSON has no NaN or inf: they become null, in lists (losses) and dicts too."""
+    if isinstance(value, list):
+        return [_finite_or_none(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _finite_or_none(v) for k, v in value.items()}
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 

@@ -1,4 +1,5 @@
-"""SIGTERM / SIGINT: finish the current step, save a checkpoint, exit cleanly."""
+"""Stopping on purpose: SIGTERM / SIGINT finish the current step, save a checkpoint and exit
+cleanly; a non-finite loss under --nan_policy stop saves one and exits non-zero."""
 
 from __future__ import annotations
 
@@ -17,6 +18,18 @@ class TrainingStopped(Exception):
             "continue with --resume auto"
         )
         self.signal_name = signal_name
+        self.step = step
+
+
+class NonFiniteLoss(Exception):
+    """Raised by the loop under --nan_policy stop, after its checkpoint is on disk."""
+
+    def __init__(self, step: int, saved_step: int):
+        super().__init__(
+            f"non-finite loss or gradients at step {step} (--nan_policy stop); its update was "
+            f"not applied; checkpoint of step {saved_step} saved, continue with --resume auto "
+            "(--nan_policy skip steps over such batches)"
+        )
         self.step = step
 
 

@@ -22,7 +22,7 @@ from accel.distributed import DistContext
 from accel.flops import device_name, mfu, peak_tflops, train_flops_per_image
 from accel.metrics import RunLogger
 from accel.optim import LRSchedule
-from accel.signals import TrainingStopped, stop_on_signals
+from accel.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
 from data.loaders import build_eval_loader, build_train_loader, dataset_num_classes
 from models.factory import create_model
 
@@ -33,7 +33,8 @@ class LoopState:
     epoch: int = 0
     batch_in_epoch: int = 0  # loader batches consumed in the current epoch
     losses: list[float] = field(default_factory=list)
-    skipped: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)  # unreadable images
+    nonfinite_steps: list[int] = field(default_factory=list)  # steps whose update was skipped
 
 
 @dataclass
@@ -106,6 +107,8 @@ class Trainer:
         self.image_size = self.model.input_size[-1]
         self.flops_per_image = train_flops_per_image(self.model)  # on the host, before placement
         self.backend.setup(self.model)
+        # The same initial weights on every rank (above), then each rank its own random stream.
+        seed_everything(cfg.seed + ctx.rank)
         # A backend driving several local devices from one process (jax) loads a batch for each.
         self.host_batch = cfg.batch_size * self.backend.local_replicas
         self.loader = build_train_loader(
@@ -125,7 +128,8 @@ class Trainer:
         self.tracker = SkipTracker(self.state, self.logger)
         self.pending: list[tuple[int, Any, float]] = []
         self.start_step = 0
-        self.stopping = False
+        self.stopping = False  # a signal asked to stop, and the ranks agreed
+        self.nonfinite_stop: int | None = None  # the step that stops the run (--nan_policy stop)
 
     @property
     def replicas(self) -> int:
@@ -148,7 +152,7 @@ class Trainer:
         self.backend.load_state_dict(saved["backend"])
         self.state = LoopState(**saved["loop"])
         self.tracker = SkipTracker(self.state, self.logger)
-        ckpt.set_rng_state(saved["rng"])
+        self._load_rng_states(saved["rng"])
         self.logger.info(f"resumed from {path} at step {self.state.step}")
 
     def _resume_identity(self) -> dict[str, Any]:
@@ -172,7 +176,7 @@ class Trainer:
         state = {
             "backend": self.backend.state_dict(),
             "loop": dataclasses.asdict(self.state),
-            "rng": ckpt.rng_state(),
+            "rng": self._rng_states(),
             "config": self._resume_identity(),
         }
         if self.ctx.is_main:
@@ -181,17 +185,47 @@ class Trainer:
             )
             self.logger.info(f"checkpoint {path}")
 
+    def _rng_states(self) -> list[dict[str, Any]]:
+        """Every rank's random generator states, in rank order."""
+        mine = {**ckpt.host_rng_state(), "device": self.backend.rng_state()}
+        if not dist.is_initialized():
+            return [mine]
+        states: list = [None] * self.ctx.world_size
+        dist.all_gather_object(states, mine)
+        return states
+
+    def _load_rng_states(self, states: list[dict[str, Any]]) -> None:
+        # Replicas outside torch.distributed (xla on TPU, jax multi-host) save the first one's
+        # states only, and all resume from them (jax's step keys need no saved state).
+        mine = states[self.ctx.rank] if self.ctx.rank < len(states) else states[0]
+        ckpt.set_host_rng_state(mine)
+        self.backend.load_rng_state(mine["device"])
+
     # --- logging ------------------------------------------------------------------------------
     def flush(self) -> None:
         """Fetch the pending losses in one host sync and log them."""
         if not self.pending:
             return
-        values = self.backend.fetch_losses([loss for _, loss, _ in self.pending])
-        for (step, _, lr), loss in zip(self.pending, values, strict=True):
+        results = self.backend.fetch_results([handle for _, handle, _ in self.pending])
+        for (step, _, lr), (loss, applied) in zip(self.pending, results, strict=True):
             self.state.losses.append(loss)
-            self.logger.record("step", step=step, loss=loss, lr=lr)
+            self.logger.record("step", step=step, loss=loss, lr=lr, applied=applied)
             self.logger.scalars(step, loss=loss, lr=lr)
+            if not applied:
+                self._non_finite(step, loss)
         self.pending.clear()
+
+    def _non_finite(self, step: int, loss: float) -> None:
+        """Every rank sees the same (all-reduced) results, so all of them decide alike."""
+        self.state.nonfinite_steps.append(step)
+        self.logger.record("nonfinite_step", step=step, loss=loss)
+        if self.cfg.nan_policy == "stop":
+            if self.nonfinite_stop is None:
+                self.nonfinite_stop = step
+        else:
+            warnings.warn(
+                f"step {step}: non-finite loss ({loss}) or gradients, update skipped", stacklevel=2
+            )
 
     # --- the loop -----------------------------------------------------------------------------
     def train(self) -> dict[str, Any]:
@@ -214,21 +248,29 @@ class Trainer:
         # The bar is closed (its line ended) on errors too, so error messages start a line.
         with bar, stop_on_signals() as self.stop:
             loop_start = time.perf_counter()
-            while self.state.step < self.total_steps and not self.stopping:
+            while self.state.step < self.total_steps and not self._halted():
                 self._run_epoch(bar)
             self.flush()
             self.backend.synchronize()
             self.timer.loop_s = time.perf_counter() - loop_start
             end = time.perf_counter()
         self.save()
-        if self.stopping:
+        if self._halted():
             self.logger.close()
+        if self.nonfinite_stop is not None:
+            raise NonFiniteLoss(self.nonfinite_stop, self.state.step)
+        if self.stopping:
             raise TrainingStopped(self.stop.signal_name, self.state.step)
         return self._finish(end)
+
+    def _halted(self) -> bool:
+        return self.stopping or self.nonfinite_stop is not None
 
     def _stop_now(self) -> bool:
         """Whether to stop after this step; ranks agree on it at logging boundaries, so that
         all of them stop after the same step."""
+        if self.nonfinite_stop is not None:  # found in all-reduced losses: the same on all ranks
+            return True
         if not dist.is_initialized():
             self.stopping = self.stop.requested
         elif self.state.step % self.cfg.log_every == 0:
@@ -285,6 +327,7 @@ class Trainer:
             "time_to_first_step_s": self.timer.first_step_s,
             "data_wait_fraction": self.timer.data_wait_s / max(self.timer.loop_s, 1e-9),
             "skipped_images": len(self.state.skipped),
+            "nonfinite_steps": self.state.nonfinite_steps,
             "seed": self.cfg.seed,
             "kernel_opt": self.cfg.kernel_opt,
             **self._utilisation(ips),

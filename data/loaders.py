@@ -81,6 +81,10 @@ def _loader(
         num_workers=workers,
         persistent_workers=persistent and workers > 0,
         pin_memory=False,
+        # Each new iterator draws a base seed from this generator: with the global one, starting
+        # an epoch (or a resumed run) would shift the model's random stream. Data randomness is
+        # keyed per sample and never uses it.
+        generator=torch.Generator().manual_seed(seed),
     )
 
 

@@ -8,13 +8,18 @@ one file of this package and is found by name; its framework imports stay inside
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
 from models.factory import ImageClassifier
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 NCHW images, float soft targets
+
+
+class StepResult(NamedTuple):
+    loss: float  # mean over ranks
+    applied: bool  # False: the loss or the gradients were not finite and the update was skipped
 
 
 class BackendUnavailable(RuntimeError):
@@ -37,11 +42,12 @@ class Backend(Protocol):
         """Move host batches to the device, prefetching where the backend can."""
 
     def train_step(self, micro_batches: list[Any], lr: float) -> Any:
-        """One optimizer step over `micro_batches` (gradient accumulation); returns a loss handle
-        that stays on the device until `fetch_losses`."""
+        """One optimizer step over `micro_batches` (gradient accumulation), left undone where the
+        loss or the gradients are not finite; returns a handle of the loss and of whether the
+        update was applied, which stays on the device until `fetch_results`."""
 
-    def fetch_losses(self, losses: list[Any]) -> list[float]:
-        """Host values of loss handles, averaged over ranks: one sync for the whole group."""
+    def fetch_results(self, handles: list[Any]) -> list[StepResult]:
+        """Host values of step handles, averaged over ranks: one sync for the whole group."""
 
     def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
         """Mean loss and top-1 accuracy over masked, padded batches, reduced over ranks."""
@@ -50,6 +56,11 @@ class Backend(Protocol):
         """{'model': fp32 torch state dict, 'optimizer': torch optimizer state dict, ...}."""
 
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+    def rng_state(self) -> dict[str, Any]:
+        """This replica's device random generator state (empty where there is none)."""
+
+    def load_rng_state(self, state: dict[str, Any]) -> None: ...
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""

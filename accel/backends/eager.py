@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 
 from accel.amp import AmpPolicy, amp_policy
-from accel.backends.base import Batch
+from accel.backends.base import Batch, StepResult
 from accel.config import RunConfig
 from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
@@ -120,11 +120,11 @@ class EagerBackend:
         return contextlib.nullcontext()
 
     def train_step(self, micro_batches: list[Batch], lr: float) -> torch.Tensor:
-        loss = self.backward(micro_batches)
-        self.apply_update(lr)
-        loss = self.all_reduce_mean(loss)
+        """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0]."""
+        loss = self.all_reduce_mean(self.backward(micro_batches))
+        applied = self.apply_update(lr, loss)
         self.step_done()
-        return loss
+        return torch.stack([loss, applied.float()])
 
     def backward(self, micro_batches: list[Batch]) -> torch.Tensor:
         """Accumulate gradients and average them over ranks; returns this rank's mean loss."""
@@ -153,30 +153,44 @@ class EagerBackend:
     def step_done(self) -> None:
         """Eager work is already queued on the device."""
 
-    def apply_update(self, lr: float) -> None:
+    def apply_update(self, lr: float, loss: torch.Tensor) -> torch.Tensor:
+        """Clip and step, unless the loss or the gradients are not finite; returns whether the
+        update was applied (a device bool: every rank computes the same one)."""
         if self.amp.master_weights:
             for p, m in self.master.items():
                 m.grad = None if p.grad is None else p.grad.float()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.scaler.unscale_(self.optimizer)
-        if self.cfg.optim.clip_grad > 0:
-            opt_params = [p for g in self.optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(opt_params, self.cfg.optim.clip_grad)
-        self.optimizer_step()
+        finite = torch.isfinite(loss)
+        norm = self.clip_gradients()
+        if not self.scaler.is_enabled():  # the loss scaler skips steps with inf gradients itself
+            finite &= torch.isfinite(norm)
+        self.guarded_step(finite)
         if self.amp.master_weights:
             with torch.no_grad():
                 for p, m in self.master.items():
                     p.copy_(m)
         self.optimizer.zero_grad(set_to_none=True)
         self.module.zero_grad(set_to_none=True)
+        return finite
 
-    def optimizer_step(self) -> None:
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
+    def clip_gradients(self) -> torch.Tensor:
+        """The total gradient norm, clipping the gradients to --clip_grad where it is set."""
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        if self.cfg.optim.clip_grad > 0:
+            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
+        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
-    def fetch_losses(self, losses: list[torch.Tensor]) -> list[float]:
-        return torch.stack(losses).float().cpu().tolist() if losses else []
+    def guarded_step(self, finite: torch.Tensor) -> None:
+        """Eager decides on the host: one sync per step, as torch's GradScaler does."""
+        if bool(finite):
+            self.scaler.step(self.optimizer)
+        self.scaler.update()  # also after a skipped step: it ends what unscale_ began
+
+    def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
+        rows = torch.stack(handles).float().cpu().tolist() if handles else []
+        return [StepResult(loss, applied > 0) for loss, applied in rows]
 
     @torch.no_grad()
     def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
@@ -229,6 +243,15 @@ class EagerBackend:
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+    def rng_state(self) -> dict[str, Any]:
+        if self.device.type != "cuda":
+            return {}
+        return {"cuda": torch.cuda.get_rng_state(self.device)}
+
+    def load_rng_state(self, state: dict[str, Any]) -> None:
+        if "cuda" in state and self.device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], self.device)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

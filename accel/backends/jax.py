@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from accel.amp import amp_policy
-from accel.backends.base import BackendUnavailable, Batch
+from accel.backends.base import BackendUnavailable, Batch, StepResult
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.optim import decay_mask, weight_decay_groups
@@ -202,10 +202,11 @@ class JaxBackend:
         self.replicated = NamedSharding(self.mesh, P())
         self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
+        self.base_key = jax.random.key(cfg.seed)
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self, model: ImageClassifier) -> None:
-        self.module = model.eval()  # torch side: names, shapes, checkpoint layout; never trained
+        self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         store = self.amp.dtype if self.amp.level == "O3" else jnp.float32
         params = {n: to_jax(p, store) for n, p in model.named_parameters() if p.requires_grad}
@@ -222,32 +223,54 @@ class JaxBackend:
     def _torch_forward(self, params: dict, buffers: dict, images: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(self.module, {**params, **buffers}, (images,))
 
-    def logits(self, params: dict, buffers: dict, images: jax.Array) -> jax.Array:
+    def logits(self, params: dict, buffers: dict, images: jax.Array, key=None) -> jax.Array:
+        """Train mode when a PRNG key is given: stochastic depth and dropout draw from it."""
         if self.amp.autocast:  # O1/O2: compute in bf16 from the fp32 master weights
             params, buffers = cast_floating((params, buffers), self.amp.dtype)
-        with self.env:
+        self.module.train(key is not None)  # read while tracing
+        randomness = (
+            contextlib.nullcontext() if key is None else self.env.override_property(prng=key)
+        )
+        with self.env, randomness:
             return self.forward(params, buffers, images).astype(jnp.float32)
 
     # --- the step -----------------------------------------------------------------------------
-    def _loss(self, params: dict, buffers: dict, images: jax.Array, targets: jax.Array):
-        logp = jax.nn.log_softmax(self.logits(params, buffers, images), axis=-1)
+    def _loss(self, params: dict, buffers: dict, images, targets, key) -> jax.Array:
+        logp = jax.nn.log_softmax(self.logits(params, buffers, images, key), axis=-1)
         return -(targets * logp).sum(-1).mean()
 
     def _local_step(self, params, opt_state, buffers, images, targets, lr):
         """One optimizer step on this device's shard; `images` is [micro-steps, batch, ...]."""
+        # Random draws differ per step, device and micro-step, and follow from the seed and the
+        # optimizer's step count alone: a resumed run draws the same ones, with no state to save.
+        key = jax.random.fold_in(self.base_key, adam_state(opt_state).count)
+        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
 
         def micro_step(carry, batch):
-            loss, grads = jax.value_and_grad(self._loss)(params, buffers, *batch)
+            images, targets, index = batch
+            loss, grads = jax.value_and_grad(self._loss)(
+                params, buffers, images, targets, jax.random.fold_in(key, index)
+            )
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (images, targets))
+        micro_steps = jnp.arange(images.shape[0])
+        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (images, targets, micro_steps))
         loss, grads = jax.tree.map(lambda x: x / images.shape[0], (loss, grads))
         # The explicit all-reduce: every device ends with the mean gradient of the global batch.
         loss, grads = jax.lax.pmean((loss, grads), "data")
-        updates, opt_state = self.optimizer.update(grads, opt_state, params)
-        params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
-        return params, opt_state, loss
+        updates, new_state = self.optimizer.update(grads, opt_state, params)
+        new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
+        # A non-finite loss or gradient leaves weights and optimizer state as they were, with no
+        # host sync. (optax.apply_if_finite checks the gradients only, and applies updates again
+        # after max_consecutive_errors.)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+        params, opt_state = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_params, new_state),
+            (params, opt_state),
+        )
+        return params, opt_state, jnp.stack([loss, finite.astype(jnp.float32)])
 
     def _sharded_step(self):
         rep, data = P(), P(None, "data")
@@ -271,11 +294,12 @@ class JaxBackend:
         return tuple(jax.device_put(a, self.batch_sharding) for a in arrays)
 
     def train_step(self, micro_batches: list[tuple], lr: float) -> jax.Array:
+        """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
         images = jnp.stack([m[0] for m in micro_batches])
         targets = jnp.stack([m[1] for m in micro_batches])
         with attention_override(self.env, self.cfg.kernel_opt):
             try:
-                self.params, self.opt_state, loss = self.step_fn(
+                self.params, self.opt_state, result = self.step_fn(
                     self.params, self.opt_state, self.buffers, images, targets, jnp.float32(lr)
                 )
             except OperatorNotFound as err:
@@ -283,10 +307,11 @@ class JaxBackend:
                     f"torchax cannot lower an op of {self.cfg.model.name}: {err}; "
                     "train it with --backend eager, compile or xla"
                 ) from None
-        return loss
+        return result
 
-    def fetch_losses(self, losses: list[jax.Array]) -> list[float]:
-        return [float(x) for x in jax.device_get(losses)]
+    def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
+        rows = jax.device_get(handles)
+        return [StepResult(float(loss), bool(applied > 0)) for loss, applied in rows]
 
     # --- evaluation ---------------------------------------------------------------------------
     def _eval_sums(self, params, buffers, images, labels, mask):
@@ -357,6 +382,13 @@ class JaxBackend:
             adam = optax.ScaleByAdamState(count=jnp.asarray(step, jnp.int32), mu=mu, nu=nu)
         opt_state = replace_adam_state(self.optimizer.init(self.params), adam)
         self.opt_state = jax.device_put(opt_state, self.replicated)
+
+    def rng_state(self) -> dict[str, Any]:
+        """None to save: the step's keys follow from the seed and the optimizer's step count."""
+        return {}
+
+    def load_rng_state(self, state: dict[str, Any]) -> None:
+        """Nothing to restore (see rng_state)."""
 
     # --- bookkeeping --------------------------------------------------------------------------
     def synchronize(self) -> None:

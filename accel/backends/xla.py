@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import BackendUnavailable, Batch, RecompileError
+from accel.backends.base import BackendUnavailable, Batch, RecompileError, StepResult
 from accel.backends.eager import EagerBackend
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
@@ -109,6 +109,20 @@ def record_shapes(batches: Iterable[Batch], shapes: set) -> Iterator[Batch]:
         yield images, targets
 
 
+class ParamGroups:
+    """The optimizer view xm.reduce_gradients reads: the model's own parameters, whose gradients
+    exist before they are copied to fp32 masters (O2)."""
+
+    def __init__(self, params: list[torch.Tensor]):
+        self.param_groups = [{"params": params}]
+
+
+def updated_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    """What an optimizer step changes for `param`: the parameter and its state tensors."""
+    state = {k: v for k, v in optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
+    return {"param": param, **state}
+
+
 class XlaBackend(EagerBackend):
     name = "xla"
 
@@ -127,14 +141,19 @@ class XlaBackend(EagerBackend):
     def wrap_model(self, module: nn.Module) -> nn.Module:
         if self.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(module)
+        # Device random draws (dropout, stochastic depth) differ between replicas.
+        xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
         return module
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
-        if not self.cfg.kernel_opt:
-            return super().adamw(groups)
-        from torch_xla.amp import syncfree
+        lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
+        if self.cfg.kernel_opt:
+            from torch_xla.amp import syncfree
 
-        return syncfree.AdamW(groups, lr=self.cfg.optim.lr, betas=self.cfg.optim.betas)
+            return syncfree.AdamW(groups, lr=lr, betas=betas)
+        # capturable: the step count lives on the device, so a skipped step can leave it as it
+        # was inside the graph (torch keeps it on the host otherwise).
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=True)
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         loader = pl.MpDeviceLoader(
@@ -159,16 +178,32 @@ class XlaBackend(EagerBackend):
         return contextlib.nullcontext()  # no DDP: gradients are reduced explicitly below
 
     def reduce_gradients(self) -> None:
-        if not self.ctx.distributed or self.cfg.grad_reduce == "optimizer_step":
+        if not self.ctx.distributed:
+            return
+        if self.cfg.grad_reduce == "optimizer_step":  # what xm.optimizer_step reduces with
+            xm.reduce_gradients(ParamGroups(self.params))
             return
         grads = [p.grad for p in self.params if p.grad is not None]
         xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / self.ctx.world_size)
 
-    def optimizer_step(self) -> None:
-        if self.ctx.distributed and self.cfg.grad_reduce == "optimizer_step":
-            xm.optimizer_step(self.optimizer)  # reduces the gradients, then steps
-        else:
-            self.optimizer.step()
+    def guarded_step(self, finite: torch.Tensor) -> None:
+        """In the graph, without a host sync: the update is computed, then undone where
+        `finite` is false (syncfree AdamW skips it in its own kernel)."""
+        if self.cfg.kernel_opt:
+            self.optimizer.step(found_inf=(~finite).float())
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        # Lazy tensors: a clone is a reference to the value in the graph, not a device copy.
+        before = {
+            p: {k: v.clone() for k, v in updated_tensors(self.optimizer, p).items()} for p in params
+        }
+        self.optimizer.step()
+        with torch.no_grad():
+            for p in params:
+                for name, new in updated_tensors(self.optimizer, p).items():
+                    # State the first step creates starts at zero (AdamW's moments and count).
+                    old = before[p].get(name, torch.zeros_like(new))
+                    new.copy_(torch.where(finite, new, old))
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
         if not self.ctx.distributed:
@@ -182,9 +217,18 @@ class XlaBackend(EagerBackend):
         torch_xla.sync()
         self.check_recompiles()
 
-    def fetch_losses(self, losses: list[torch.Tensor]) -> list[float]:
-        # Each loss is already materialised by its step's sync: a transfer, no new graph.
-        return [float(loss.cpu()) for loss in losses]
+    def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
+        # Each handle is already materialised by its step's sync: a transfer, no new graph
+        # (stacking them first would compile one per group size).
+        rows = [handle.cpu().tolist() for handle in handles]
+        return [StepResult(loss, applied > 0) for loss, applied in rows]
+
+    def rng_state(self) -> dict[str, Any]:
+        return {"xla": xm.get_rng_state(self.device)}
+
+    def load_rng_state(self, state: dict[str, Any]) -> None:
+        if "xla" in state:
+            xm.set_rng_state(state["xla"], self.device)
 
     def host_values(self, value: torch.Tensor) -> list[float]:
         torch_xla.sync()

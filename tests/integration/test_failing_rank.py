@@ -1,6 +1,8 @@
-"""A rank that dies takes the whole job down quickly, named, without a hang (gloo on CPU)."""
+"""A rank that dies or raises takes the whole job down quickly, named, without a hang (gloo on
+CPU)."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -8,7 +10,8 @@ import time
 
 import psutil
 
-from tests.helpers import ROOT
+from data.prepare import prepare_mock_imagenet
+from tests.helpers import ROOT, run_cli
 
 
 def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
@@ -61,3 +64,37 @@ def test_killing_one_rank_ends_the_job_naming_it(tmp_path):
     assert time.monotonic() - killed_at < 60
     assert proc.returncode != 0
     assert "training failed on rank 1" in stderr
+
+
+def test_a_rank_raising_ends_the_job_naming_it(tmp_path):
+    """--strict-data: the rank whose shard holds an unreadable file raises; the other one is
+    left waiting in an all-reduce that will never complete."""
+    root = prepare_mock_imagenet(
+        tmp_path / "imagenet", classes=2, per_class=16, val_per_class=1, size=40, progress=False
+    )
+    bad = next((root / "train").iterdir()) / "truncated.jpg"
+    good = next(bad.parent.glob("*.JPEG")).read_bytes()
+    bad.write_bytes(good[: len(good) // 2])
+    started = time.monotonic()
+    result = run_cli(
+        "--nproc_per_node",
+        "2",
+        "--data",
+        str(root),
+        "--strict-data",
+        "--epochs",
+        "4",
+        "--batch_size",
+        "4",
+        "--workers",
+        "0",
+        "--no-eval",
+        "--output",
+        str(tmp_path / "runs"),
+        timeout=180,
+    )
+    assert time.monotonic() - started < 60
+    assert result.returncode == 2  # the rank's own exit code: a user error
+    raised = re.search(r"error \(rank (\d)\): unreadable image (\S+):", result.stderr)
+    assert raised and raised.group(2) == str(bad)
+    assert f"training failed on rank {raised.group(1)} (exit 2)" in result.stderr

@@ -112,3 +112,27 @@ def test_missing_jax_is_one_line_with_the_install_command(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0
     assert "pip install 'accel[jax]'" in result.stderr
+
+
+def _two_step_losses(tmp_path, drop_path: float) -> list[float]:
+    """Losses of two steps with lr 0 (weights unchanged) on one fixed batch."""
+    cfg = micro_config(tmp_path, backend="jax", model="swin_micro")
+    cfg.model.drop_path_rate = drop_path
+    backend = jax_backend.JaxBackend(cfg, DistContext())
+    torch.manual_seed(0)
+    backend.setup(create_model(cfg.model))
+    gen = torch.Generator().manual_seed(0)
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
+    targets = torch.softmax(torch.randn(8, 10, generator=gen), -1)
+    (batch,) = backend.device_batches([(images, targets)])
+    handles = [backend.train_step([batch], lr=0.0) for _ in range(2)]
+    return [r.loss for r in backend.fetch_results(handles)]
+
+
+def test_stochastic_depth_trains_with_new_draws_each_step_reproducibly(tmp_path):
+    plain = _two_step_losses(tmp_path, 0.0)
+    assert plain[0] == plain[1]  # lr 0 leaves the weights as they were
+    dropped = _two_step_losses(tmp_path, 0.5)
+    assert dropped[0] != dropped[1]  # train mode, and a fresh key per step
+    assert dropped[0] != plain[0]
+    assert _two_step_losses(tmp_path, 0.5) == dropped  # from the seed and step count alone

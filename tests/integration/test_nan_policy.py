@@ -1,0 +1,155 @@
+"""--nan_policy: a non-finite step never changes the weights or the optimizer state.
+
+The data holds one all-white JPEG and the model's logits are NaN for any batch containing it, so
+each epoch has exactly one non-finite step, inside the real compiled step of each backend.
+"""
+
+import json
+
+import pytest
+import torch
+from PIL import Image
+
+from accel import checkpoint as ckpt
+from accel.distributed import DistContext
+from accel.launch_single_task import EXIT_NONFINITE, main
+from accel.train import Trainer
+from data.prepare import prepare_mock_imagenet
+from tests import nan_model
+from tests.helpers import micro_config
+
+EPOCHS = 2
+
+
+@pytest.fixture(scope="module")
+def one_white_image(tmp_path_factory):
+    root = prepare_mock_imagenet(
+        tmp_path_factory.mktemp("white") / "imagenet",
+        classes=2,
+        per_class=8,  # 16 images, batch 4: every image is in exactly one step per epoch
+        val_per_class=1,
+        size=40,
+        progress=False,
+    )
+    target = next((root / "train").glob("*/*.JPEG"))
+    Image.new("RGB", (40, 40), (255, 255, 255)).save(target, quality=100)
+    return root
+
+
+def _config(tmp_path, backend: str, data, **kw):
+    return micro_config(
+        tmp_path,
+        backend=backend,
+        model=nan_model.NAME,
+        source=str(data),
+        batch_size=4,
+        steps=0,
+        epochs=EPOCHS,
+        save_every=1,
+        keep_checkpoints=0,
+        log_every=1,
+        **kw,
+    )
+
+
+def _state(trainer_or_path) -> dict:
+    if isinstance(trainer_or_path, Trainer):
+        return trainer_or_path.backend.state_dict()
+    return ckpt.load_checkpoint(trainer_or_path)["backend"]
+
+
+def _checkpoint(run_dir, step: int):
+    return ckpt.checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
+
+
+def _flat(state: dict) -> dict[str, torch.Tensor]:
+    out = {f"model.{k}": v for k, v in state["model"].items()}
+    for i, s in state["optimizer"]["state"].items():
+        out.update({f"opt.{i}.{k}": torch.as_tensor(v) for k, v in s.items()})
+    return out
+
+
+def _same(a: dict, b: dict) -> bool:
+    """Equal weights and optimizer state; state not created yet counts as AdamW's zeros."""
+    fa, fb = _flat(a), _flat(b)
+    if not all(k in fa and k in fb for k in fa.keys() | fb.keys() if k.startswith("model.")):
+        return False
+    for k in fa.keys() | fb.keys():
+        x = fa.get(k, torch.zeros_like(fb.get(k, torch.zeros(()))))
+        y = fb.get(k, torch.zeros_like(x))
+        if not torch.equal(x.float(), y.float()):
+            return False
+    return True
+
+
+def _not_json(constant: str):
+    raise AssertionError(f"{constant} is not JSON")
+
+
+def _before(step: int, cfg, run_dir) -> dict:
+    """The state a step started from: the previous checkpoint, or a fresh model for step 1."""
+    if step > 1:
+        return _state(_checkpoint(run_dir, step - 1))
+    return _state(Trainer(cfg, DistContext()))
+
+
+@pytest.mark.parametrize("backend", ["eager", "xla", "xla+kernel_opt", "jax"])
+def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, one_white_image, backend):
+    # xla+kernel_opt: syncfree AdamW, which skips inside its own update given found_inf
+    name, _, kernel_opt = backend.partition("+")
+    cfg = _config(tmp_path, name, one_white_image, nan_policy="skip", kernel_opt=bool(kernel_opt))
+    with pytest.warns(UserWarning, match="non-finite loss"):
+        summary = Trainer(cfg, DistContext()).train()
+    steps = summary["nonfinite_steps"]
+    assert len(steps) == EPOCHS and summary["steps"] == 8  # one white batch per epoch, trained on
+    losses = summary["losses"]
+    assert [i + 1 for i, x in enumerate(losses) if x != x] == steps  # NaN exactly there
+    run_dir = cfg.run_dir()
+    on_disk = json.loads((run_dir / "summary.json").read_text(), parse_constant=_not_json)
+    assert on_disk["nonfinite_steps"] == steps
+    assert [on_disk["losses"][s - 1] for s in steps] == [None] * EPOCHS  # strict JSON
+    for step in steps:
+        assert _same(_state(_checkpoint(run_dir, step)), _before(step, cfg, run_dir)), step
+    applied = next(s for s in range(2, 9) if s not in steps)
+    assert not _same(_state(_checkpoint(run_dir, applied)), _before(applied, cfg, run_dir))
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_stop_saves_a_clean_checkpoint_and_exits_non_zero_naming_the_step(
+    tmp_path, one_white_image, backend, capsys
+):
+    cfg = _config(tmp_path, backend, one_white_image)  # the default policy is stop
+    code = main(
+        [
+            "--backend",
+            backend,
+            "--model",
+            nan_model.NAME,
+            "--data",
+            str(one_white_image),
+            "--batch_size",
+            "4",
+            "--epochs",
+            str(EPOCHS),
+            "--workers",
+            "0",
+            "--log_every",
+            "1",
+            "--save_every",
+            "1",
+            "--keep_checkpoints",
+            "0",
+            "--no-eval",
+            "--output",
+            str(tmp_path),
+            "--run_name",
+            "t",
+        ]
+    )
+    err = capsys.readouterr().err
+    assert code == EXIT_NONFINITE
+    step = int(err.split("non-finite loss or gradients at step ")[1].split()[0])
+    saved = ckpt.latest_checkpoint(cfg.run_dir())
+    assert saved.name == f"step_{step:08d}.pt"  # log_every 1: it stops right after that step
+    assert "launch_single_task: error: non-finite loss" in err and "--resume auto" in err
+    assert _same(_state(saved), _before(step, cfg, cfg.run_dir()))
