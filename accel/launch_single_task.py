@@ -286,9 +286,9 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in err.failures.items())
         error(f"training failed on {ranks}")
         codes = {f.exitcode for f in err.failures.values()}
-        # The ranks' own exit code where they agree on one of ours (2, 3, 4), as in one process.
-        known = (EXIT_USER_ERROR, EXIT_RECOMPILES, EXIT_NONFINITE)
-        return codes.pop() if len(codes) == 1 and codes <= set(known) else 1
+        # The ranks' own exit code where they agree on one of ours, as in one process.
+        ours = {EXIT_USER_ERROR, EXIT_RECOMPILES, EXIT_NONFINITE}
+        return codes.pop() if len(codes) == 1 and codes <= ours else 1
     return 0
 
 

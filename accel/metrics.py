@@ -60,7 +60,7 @@ class RunLogger:
         row = {
             "kind": kind,
             "rank": self.ctx.rank,
-            **{k: _finite_or_none(v) for k, v in fields.items()},
+            **_finite_or_none(fields),
         }
         self.metrics.write(json.dumps(row) + "\n")
 
@@ -72,7 +72,7 @@ class RunLogger:
     def write_summary(self, summary: dict[str, Any]) -> Path:
         path = self.run_dir / "summary.json"
         tmp = path.with_suffix(".json.tmp")
-        clean = {k: _finite_or_none(v) for k, v in summary.items()}
+        clean = _finite_or_none(summary)
         tmp.write_text(json.dumps(clean, indent=2, sort_keys=True, default=str))
         tmp.replace(path)
         return path

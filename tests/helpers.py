@@ -45,10 +45,26 @@ def micro_config(
     return RunConfig(**defaults)
 
 
+def cli_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "accel.launch_single_task", *args]
+
+
+def start_cli(*args: str) -> subprocess.Popen:
+    """launch_single_task in the background, to signal or kill it while it trains."""
+    return subprocess.Popen(
+        cli_command(*args),
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     full_env = {**os.environ, **(env or {})}
     return subprocess.run(
-        [sys.executable, "-m", "accel.launch_single_task", *args],
+        cli_command(*args),
         capture_output=True,
         text=True,
         cwd=ROOT,

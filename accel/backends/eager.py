@@ -94,6 +94,11 @@ class EagerBackend:
             groups = [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups]
         return self.adamw(groups)
 
+    @property
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """What the optimizer updates: the parameters, or their fp32 masters (O2)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         fast = {}
         if self.cfg.kernel_opt:
@@ -177,7 +182,7 @@ class EagerBackend:
 
     def clip_gradients(self) -> torch.Tensor:
         """The total gradient norm, clipping the gradients to --clip_grad where it is set."""
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = self.optimizer_params
         if self.cfg.optim.clip_grad > 0:
             return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])

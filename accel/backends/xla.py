@@ -192,7 +192,7 @@ class XlaBackend(EagerBackend):
         if self.cfg.kernel_opt:
             self.optimizer.step(found_inf=(~finite).float())
             return
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        params = self.optimizer_params
         # Lazy tensors: a clone is a reference to the value in the graph, not a device copy.
         before = {
             p: {k: v.clone() for k, v in updated_tensors(self.optimizer, p).items()} for p in params

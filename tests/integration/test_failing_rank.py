@@ -1,17 +1,14 @@
 """A rank that dies or raises takes the whole job down quickly, named, without a hang (gloo on
 CPU)."""
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 
 import psutil
 
 from data.prepare import prepare_mock_imagenet
-from tests.helpers import ROOT, run_cli
+from tests.helpers import run_cli, start_cli
 
 
 def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
@@ -27,30 +24,20 @@ def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
 
 
 def test_killing_one_rank_ends_the_job_naming_it(tmp_path):
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "accel.launch_single_task",
-            "--nproc_per_node",
-            "2",
-            "--steps",
-            "100000",
-            "--batch_size",
-            "8",
-            "--workers",
-            "0",
-            "--no-eval",
-            "--log_every",
-            "1",
-            "--output",
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+    proc = start_cli(
+        "--nproc_per_node",
+        "2",
+        "--steps",
+        "100000",
+        "--batch_size",
+        "8",
+        "--workers",
+        "0",
+        "--no-eval",
+        "--log_every",
+        "1",
+        "--output",
+        str(tmp_path),
     )
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120

@@ -2,23 +2,13 @@
 
 import pytest
 
-from data.prepare import prepare_mock_imagenet
 from tests.helpers import read_summary, run_cli
-from tests.unit.test_folder import add_bad_files
+from tests.unit.test_folder import dirty_mock_imagenet
 
 
 @pytest.fixture(scope="module")
 def dirty_imagenet(tmp_path_factory):
-    root = prepare_mock_imagenet(
-        tmp_path_factory.mktemp("dirty") / "imagenet",
-        classes=3,
-        per_class=6,
-        val_per_class=3,
-        size=40,
-        progress=False,
-    )
-    add_bad_files(root)
-    return root
+    return dirty_mock_imagenet(tmp_path_factory.mktemp("dirty"), val_per_class=3)
 
 
 def _train(dirty_imagenet, tmp_path, *extra: str):

@@ -2,10 +2,8 @@
 for bit on eager (CPU, fp32), within 1e-6 relative on xla and jax."""
 
 import json
-import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -13,7 +11,7 @@ import pytest
 import torch
 
 from accel.checkpoint import load_checkpoint
-from tests.helpers import ROOT, read_summary, run_cli
+from tests.helpers import read_summary, run_cli, start_cli
 
 JOB = (
     "--model",
@@ -35,23 +33,7 @@ JOB = (
 
 
 def start(output: Path, backend: str = "eager") -> subprocess.Popen:
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "accel.launch_single_task",
-            *JOB,
-            "--backend",
-            backend,
-            "--output",
-            str(output),
-        ],
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return start_cli(*JOB, "--backend", backend, "--output", str(output))
 
 
 def wait_for_checkpoint(

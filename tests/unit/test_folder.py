@@ -32,18 +32,23 @@ def add_bad_files(root: Path) -> dict[str, Path]:
     return files
 
 
-@pytest.fixture(scope="module")
-def mock_imagenet(tmp_path_factory) -> Path:
+def dirty_mock_imagenet(folder: Path, val_per_class: int) -> Path:
+    """3 classes of 6 real JPEGs for training, plus every awkward kind of file in the first."""
     root = prepare_mock_imagenet(
-        tmp_path_factory.mktemp("mock") / "imagenet",
+        folder / "imagenet",
         classes=3,
         per_class=6,
-        val_per_class=2,
+        val_per_class=val_per_class,
         size=40,
         progress=False,
     )
     add_bad_files(root)
     return root
+
+
+@pytest.fixture(scope="module")
+def mock_imagenet(tmp_path_factory) -> Path:
+    return dirty_mock_imagenet(tmp_path_factory.mktemp("mock"), val_per_class=2)
 
 
 def test_prepare_writes_real_jpegs_in_imagenet_layout(mock_imagenet):
