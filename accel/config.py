@@ -43,6 +43,7 @@ class RunConfig:
     amp_level: str = "O0"
     amp_dtype: str = "bfloat16"
     kernel_opt: bool = False
+    remat: bool = False  # recompute activations in the backward (less memory, more compute)
     seed: int = 0
     output: str = "runs"
     run_name: str = ""

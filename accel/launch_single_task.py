@@ -45,6 +45,7 @@ USER_ERRORS = (ConfigError, BackendUnavailable, UnknownModelError, DatasetError,
 EXIT_USER_ERROR = 2
 EXIT_RECOMPILES = 3
 EXIT_NONFINITE = 4
+DEFAULT_EPOCHS = 1  # the run length when neither --steps nor --epochs is given
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -87,7 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--synthetic_length", type=int, default=1024)
     p.add_argument("--batch_size", type=int, default=32, help="per device and micro-step")
     length = p.add_mutually_exclusive_group()
-    length.add_argument("--steps", type=int, default=0, help="optimizer steps")
+    length.add_argument(
+        "--steps", type=int, default=0, help=f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)"
+    )
     length.add_argument("--epochs", type=int, default=0)
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
@@ -102,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fused paths: eager/compile: fused (CUDA) or foreach AdamW, compile "
         "max-autotune; xla: syncfree AdamW; jax: jax.nn.dot_product_attention",
+    )
+    p.add_argument(
+        "--remat",
+        action="store_true",
+        help="activation checkpointing where memory is short: eager/compile: timm's per-block "
+        "gradient checkpointing; jax: jax.checkpoint saving only the layers' matmul outputs",
     )
     p.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (0 = off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (0 = off)")
@@ -129,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--keep_checkpoints", type=int, default=3)
     p.add_argument("--resume", default="", help="'auto' (latest of this run) or a checkpoint path")
     p.add_argument("--log_every", type=int, default=10)
+    p.add_argument(
+        "--timing_warmup_steps", type=int, default=2, help="first steps left out of img/s"
+    )
     p.add_argument("--no-eval", dest="eval", action="store_false", help="skip final evaluation")
     p.add_argument(
         "--peak_tflops",
@@ -204,6 +216,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         amp_level=args.amp_level,
         amp_dtype=args.amp_dtype,
         kernel_opt=args.kernel_opt,
+        remat=args.remat,
         seed=args.seed,
         output=args.output,
         run_name=args.run_name,
@@ -211,6 +224,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         keep_checkpoints=args.keep_checkpoints,
         resume=args.resume,
         log_every=args.log_every,
+        timing_warmup_steps=args.timing_warmup_steps,
         eval=args.eval,
         nproc_per_node=args.nproc_per_node,
         max_recompiles=args.max_recompiles,
@@ -231,8 +245,8 @@ def validate(cfg: RunConfig) -> ModuleType:
         raise ConfigError("--batch_size, --grad_accum and --nproc_per_node must be >= 1")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
         raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
-    if cfg.steps < 0 or cfg.epochs < 0 or not (cfg.steps or cfg.epochs):
-        raise ConfigError("give a positive --steps or --epochs")
+    if cfg.steps < 0 or cfg.epochs < 0:
+        raise ConfigError(f"--steps and --epochs must be positive, got {cfg.steps or cfg.epochs}")
     if not cfg.data.is_synthetic:
         dataset_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
     _check_gpu_count(cfg)
@@ -311,6 +325,14 @@ def run(argv: list[str]) -> int:
     ctx = env_context()
     if ctx.is_main:
         print(f"accel: backend {backend} ({why})", flush=True)
+    if not (args.steps or args.epochs):
+        cfg.epochs = DEFAULT_EPOCHS
+        if ctx.is_main:
+            print(
+                f"accel: no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch "
+                f"of {args.data}",
+                flush=True,
+            )
     module = validate(cfg)
     cfg.run_name = resolve_run_name(cfg)
     if cfg.nproc_per_node > 1 and not launched_by_torchrun():

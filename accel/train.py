@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import random
 import time
@@ -45,6 +46,13 @@ class Timer:
     warm_step: int = 0
     data_wait_s: float = 0.0
     loop_s: float = 0.0
+    startup_s: dict[str, float] = field(default_factory=dict)  # where time to first step goes
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        t = time.perf_counter()
+        yield
+        self.startup_s[name] = time.perf_counter() - t
 
 
 class SkipTracker:
@@ -99,21 +107,27 @@ class Trainer:
     def __init__(self, cfg: RunConfig, ctx: DistContext, start_time: float | None = None):
         self.cfg = cfg
         self.ctx = ctx
-        self.timer = Timer(start_time if start_time is not None else time.perf_counter())
+        self.timer = timer = Timer(start_time if start_time is not None else time.perf_counter())
+        timer.startup_s["imports"] = time.perf_counter() - timer.start
         seed_everything(cfg.seed)
         cfg.model.num_classes = dataset_num_classes(cfg.data)
-        self.backend: Backend = create_backend(cfg, ctx)
-        self.model = create_model(cfg.model)
+        with timer.phase("backend"):
+            self.backend: Backend = create_backend(cfg, ctx)
+        with timer.phase("model"):
+            self.model = create_model(cfg.model)
         self.image_size = self.model.input_size[-1]
-        self.flops_per_image = train_flops_per_image(self.model)  # on the host, before placement
-        self.backend.setup(self.model)
+        with timer.phase("flops"):  # on the host, before placement
+            self.flops_per_image = train_flops_per_image(self.model)
+        with timer.phase("setup"):
+            self.backend.setup(self.model)
         # The same initial weights on every rank (above), then each rank its own random stream.
         seed_everything(cfg.seed + ctx.rank)
         # A backend driving several local devices from one process (jax) loads a batch for each.
         self.host_batch = cfg.batch_size * self.backend.local_replicas
-        self.loader = build_train_loader(
-            cfg.data, self.image_size, self.host_batch, ctx.rank, ctx.world_size, cfg.seed
-        )
+        with timer.phase("loader"):
+            self.loader = build_train_loader(
+                cfg.data, self.image_size, self.host_batch, ctx.rank, ctx.world_size, cfg.seed
+            )
         self.steps_per_epoch = len(self.loader.batch_sampler) // cfg.optim.grad_accum
         if self.steps_per_epoch < 1:
             raise ConfigError("an epoch holds fewer batches than --grad_accum")
@@ -122,7 +136,8 @@ class Trainer:
             raise ConfigError("nothing to train: give --steps or --epochs")
         self.schedule = LRSchedule(cfg.optim, self.total_steps)
         self.state = LoopState()
-        self.logger = RunLogger(cfg.run_dir(), ctx)
+        with timer.phase("logger"):
+            self.logger = RunLogger(cfg.run_dir(), ctx)
         if ctx.is_main:
             (cfg.run_dir() / "config.json").write_text(cfg.to_json())
         self.tracker = SkipTracker(self.state, self.logger)
@@ -306,6 +321,11 @@ class Trainer:
         if step == self.start_step + 1:
             self.flush()
             self.timer.first_step_s = time.perf_counter() - self.timer.start
+            # The rest of time to first step: the first batches, tracing and compiling the step.
+            done = sum(v for k, v in self.timer.startup_s.items() if k != "first_step")
+            self.timer.startup_s["first_step"] = self.timer.first_step_s - done
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in self.timer.startup_s.items())
+            self.logger.info(f"first step after {self.timer.first_step_s:.1f} s: {phases}")
         if len(self.pending) >= cfg.log_every:
             self.flush()
         if cfg.save_every and step % cfg.save_every == 0 and step < self.total_steps:
@@ -325,6 +345,7 @@ class Trainer:
             "losses": self.state.losses,
             "images_per_sec": ips,
             "time_to_first_step_s": self.timer.first_step_s,
+            "startup_s": self.timer.startup_s,
             "data_wait_fraction": self.timer.data_wait_s / max(self.timer.loop_s, 1e-9),
             "skipped_images": len(self.state.skipped),
             "nonfinite_steps": self.state.nonfinite_steps,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,6 +72,15 @@ def dataset_num_classes(cfg: DataConfig) -> int:
     return len([p for p in Path(split_dir(cfg.source, "train")).iterdir() if p.is_dir()])
 
 
+def worker_context() -> multiprocessing.context.BaseContext:
+    """Workers start from a fork server, a fresh single-threaded process that has imported torch
+    and this package: forking the training process itself, once JAX or torch_xla have started
+    their threads, can deadlock the child (JAX warns so at every fork)."""
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "data.loaders"])
+    return context
+
+
 def _loader(
     dataset: Dataset, batch_sampler, collate, seed: int, workers: int, persistent: bool
 ) -> DataLoader:
@@ -80,6 +90,7 @@ def _loader(
         collate_fn=collate,
         num_workers=workers,
         persistent_workers=persistent and workers > 0,
+        multiprocessing_context=worker_context() if workers > 0 else None,
         pin_memory=False,
         # Each new iterator draws a base seed from this generator: with the global one, starting
         # an epoch (or a resumed run) would shift the model's random stream. Data randomness is

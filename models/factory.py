@@ -77,6 +77,10 @@ def create_model(cfg: ModelConfig) -> ImageClassifier:
     kwargs = {"num_classes": cfg.num_classes, **_pool_kwargs(cfg.name, cfg.pool)}
     if cfg.drop_path_rate is not None:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
+    # Swin's window attention (its relative-position bias and shift mask included) through
+    # scaled_dot_product_attention, as ViT's already is: timm keeps it on plain ops by default
+    # ("experimental"), which leaves every backend's fused attention kernels unused.
+    timm.layers.set_fused_attn(True, experimental=True)
     model = timm.create_model(cfg.name, pretrained=False, **kwargs)
     pcfg = model.pretrained_cfg
     return ImageClassifier(model, tuple(pcfg["mean"]), tuple(pcfg["std"]))

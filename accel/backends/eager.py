@@ -75,6 +75,8 @@ class EagerBackend:
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self, model: ImageClassifier) -> None:
+        if self.cfg.remat:
+            model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
         self.module = model.to(self.device, dtype=self.amp.param_dtype)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.model = self.wrap_model(self.module)
@@ -226,8 +228,9 @@ class EagerBackend:
 
     # --- state --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
+        # To the host first: converting on an XLA device would compile a graph per tensor.
         model = {
-            k: v.detach().float().cpu() if v.is_floating_point() else v.cpu()
+            k: v.detach().cpu().float() if v.is_floating_point() else v.cpu()
             for k, v in self.module.state_dict().items()
         }
         if self.amp.master_weights:  # the fp32 master copy is the true value of the weights

@@ -18,12 +18,13 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from accel.amp import amp_policy
+from accel.amp import AmpPolicy, amp_policy
 from accel.backends.base import BackendUnavailable, Batch, StepResult
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
@@ -31,7 +32,10 @@ from accel.optim import decay_mask, weight_decay_groups
 from models.factory import ImageClassifier
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
-KERNEL_OPTS = "scaled_dot_product_attention through jax.nn.dot_product_attention (cuDNN on GPU)"
+KERNEL_OPTS = (
+    "nothing more: attention always runs through jax.nn.dot_product_attention "
+    "(cuDNN flash attention on GPU)"
+)
 
 try:
     import jax
@@ -43,13 +47,22 @@ try:
     from torchax import interop
     from torchax.ops import ops_registry
     from torchax.tensor import OperatorNotFound
+
+    from accel.backends.jax_attention import AttentionKernels
 except ImportError:  # reported by require() as one line with the install command
     jax = None
+
+
+# JAX's GPU client takes this fraction of the card when it starts (its default, 0.75, leaves a
+# quarter of an 80 GB card unused); set before the first device query, a user's value wins.
+RUNTIME_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
 def require() -> None:
     if jax is None:
         raise BackendUnavailable(f"the jax backend needs jax, torchax and optax: {INSTALL}")
+    for name, value in RUNTIME_ENV.items():
+        os.environ.setdefault(name, value)
 
 
 def build(cfg: RunConfig, ctx: DistContext) -> JaxBackend:
@@ -67,8 +80,33 @@ def replica_context() -> DistContext:
     return DistContext(jax.process_index(), 0, jax.process_count())
 
 
-# --- torch <-> jax --------------------------------------------------------------------------
-def to_jax(tensor: torch.Tensor, dtype=None) -> jax.Array:
+# --- torch <-> jax ----------------------------------------------------------------------------
+def jnp_dtype(dtype: torch.dtype) -> jnp.dtype:
+    """The one place a torch dtype becomes a jnp one (JAX refuses torch dtypes in astype)."""
+    table = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
+    if dtype not in table:
+        raise ConfigError(f"the jax backend has no {dtype} floating-point mode")
+    return jnp.dtype(table[dtype])
+
+
+@dataclass(frozen=True)
+class Precision:
+    """An AMP level in jnp dtypes: what the step computes in, what weights and moments are
+    stored in."""
+
+    compute: jnp.dtype
+    store: jnp.dtype
+
+    @classmethod
+    def of(cls, amp: AmpPolicy) -> Precision:
+        low = jnp_dtype(amp.dtype)
+        return cls(
+            compute=jnp.dtype(jnp.float32) if amp.level == "O0" else low,
+            store=low if amp.level == "O3" else jnp.dtype(jnp.float32),
+        )
+
+
+def to_jax(tensor: torch.Tensor, dtype: jnp.dtype | None = None) -> jax.Array:
     value = tensor.detach().cpu()
     array = jnp.asarray(value.float().numpy() if value.dtype == torch.bfloat16 else value.numpy())
     return array if dtype is None else cast_floating(array, dtype)
@@ -81,57 +119,52 @@ def to_torch(array: jax.Array) -> torch.Tensor:
     return torch.from_numpy(host.copy())
 
 
-def cast_floating(tree: Any, dtype) -> Any:
+def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
+    dtype = jnp.dtype(dtype)  # a torch dtype raises here, not deep inside a trace
     return jax.tree.map(
         lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
     )
 
 
-# --- attention override (--kernel-opt) ------------------------------------------------------
-def _jax_attention(query, key, value, mask, scale, is_causal):
-    """torch's [B, heads, T, D] in and out; jax.nn.dot_product_attention takes [B, T, heads, D]."""
-    q, k, v = (jnp.swapaxes(t, 1, 2) for t in (query, key, value))
-    bias = boolean = None
-    if mask is not None:
-        boolean, bias = (mask, None) if mask.dtype == jnp.bool_ else (None, mask.astype(q.dtype))
-    out = jax.nn.dot_product_attention(
-        q, k, v, bias=bias, mask=boolean, scale=scale, is_causal=is_causal
-    )
-    return jnp.swapaxes(out, 1, 2)
+# --- attention: torch's SDPA onto jax.nn.dot_product_attention (cuDNN flash on GPU) ---------
+def torch_sdpa(kernels: AttentionKernels) -> Callable:
+    """An SDPA with torch's signature that runs `kernels` ([B, heads, T, D] in and out; JAX's
+    attention takes [B, T, heads, D])."""
 
+    def attention(query, key, value, mask, scale, is_causal):
+        q, k, v = (jnp.swapaxes(t, 1, 2) for t in (query, key, value))
+        bias = boolean = None
+        if mask is not None and mask.dtype == jnp.bool_:
+            boolean = mask
+        elif mask is not None:
+            bias = mask.astype(q.dtype)
+        return jnp.swapaxes(kernels(q, k, v, bias, boolean, scale, is_causal), 1, 2)
 
-def _sdpa(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-):
-    if dropout_p:
-        raise NotImplementedError("--kernel-opt attention on jax has no attention dropout")
-    return interop.call_jax(_jax_attention, query, key, value, attn_mask, scale, is_causal)
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **_):
+        if dropout_p:
+            raise NotImplementedError("attention dropout is not supported by the jax backend")
+        return interop.call_jax(attention, query, key, value, attn_mask, scale, is_causal)
+
+    return sdpa
 
 
 @contextlib.contextmanager
-def attention_override(env, enabled: bool):
-    """Route torch's SDPA to jax.nn.dot_product_attention while tracing, then restore."""
+def attention_override(env, sdpa: Callable):
+    """Route torch's SDPA to `sdpa` while tracing, then restore torchax's own."""
     ops = (
         torch.nn.functional.scaled_dot_product_attention,
         torch.ops.aten.scaled_dot_product_attention,
     )
     saved = {op: env._ops.get(op) for op in ops}
-    if enabled:
-        for op in ops:
-            # What env.override_op_definition does; torchax 0.0.13's version omits is_view_op.
-            env._ops[op] = ops_registry.Operator(
-                op,
-                _sdpa,
-                is_jax_function=False,
-                is_user_defined=True,
-                needs_env=False,
-                is_view_op=False,
-            )
+    for op in ops:
+        # What env.override_op_definition does; torchax 0.0.13's version omits is_view_op.
+        env._ops[op] = ops_registry.Operator(
+            op, sdpa, is_jax_function=False, is_user_defined=True, needs_env=False, is_view_op=False
+        )
     try:
         yield
     finally:
-        if enabled:
-            env._ops.update(saved)
+        env._ops.update(saved)
 
 
 # --- optimizer --------------------------------------------------------------------------------
@@ -153,6 +186,44 @@ def adam_state(opt_state: tuple) -> optax.ScaleByAdamState:
 
 def replace_adam_state(opt_state: tuple, new: optax.ScaleByAdamState) -> tuple:
     return tuple(new if isinstance(s, optax.ScaleByAdamState) else s for s in opt_state)
+
+
+# --- compilation accounting -------------------------------------------------------------------
+class CompileMonitor:
+    """Process-wide sums of JAX's own compile events: tracing (through torchax), lowering,
+    XLA compilation, and persistent-cache hits. jax.monitoring has no public way to unregister,
+    so one instance listens for the whole process and backends read differences."""
+
+    DURATIONS: ClassVar[dict[str, str]] = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+        "/jax/core/compile/backend_compile_duration": "compile_s",
+    }
+    HITS = "/jax/compilation_cache/cache_hits"
+    _instance: CompileMonitor | None = None
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.DURATIONS.values(), 0.0)
+        self.cache_hits = 0
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    @classmethod
+    def get(cls) -> CompileMonitor:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _duration(self, event: str, seconds: float, **_) -> None:
+        if event in self.DURATIONS:
+            self.totals[self.DURATIONS[event]] += seconds
+
+    def _event(self, event: str, **_) -> None:
+        if event == self.HITS:
+            self.cache_hits += 1
+
+    def snapshot(self) -> dict[str, float]:
+        return {**self.totals, "cache_hits": self.cache_hits}
 
 
 # --- input pipeline ---------------------------------------------------------------------------
@@ -190,7 +261,11 @@ class JaxBackend:
             raise ConfigError("the jax backend does low precision in bfloat16 (--amp_dtype)")
         self.cfg, self.ctx = cfg, ctx
         self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
+        self.precision = Precision.of(self.amp)
+        # Before the first compile: JAX reads the cache settings once per process.
         jax.config.update("jax_compilation_cache_dir", str(cfg.compile_cache_dir()))
+        self.monitor = CompileMonitor.get()
+        self.compile_events_at_start = self.monitor.snapshot()
         devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
         self.local_replicas = cfg.nproc_per_node
         if self.local_replicas > jax.local_device_count():
@@ -203,20 +278,26 @@ class JaxBackend:
         self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
         self.base_key = jax.random.key(cfg.seed)
+        on_gpu = jax.default_backend() == "gpu"
+        self.attention = AttentionKernels(flash=on_gpu)
+        # Attention always goes through jax.nn.dot_product_attention (cuDNN flash on GPU):
+        # torchax's own lowering computes it in fp32 and hands fp32 on to the rest of the
+        # block, so O1-O3 would run most matmuls in fp32.
+        self.sdpa = torch_sdpa(self.attention)
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self, model: ImageClassifier) -> None:
         self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        store = self.amp.dtype if self.amp.level == "O3" else jnp.float32
+        store = self.precision.store
         params = {n: to_jax(p, store) for n, p in model.named_parameters() if p.requires_grad}
-        buffers = {n: to_jax(b) for n, b in model.named_buffers()}
+        buffers = {n: to_jax(b, store) for n, b in model.named_buffers()}
         self.params = jax.device_put(params, self.replicated)
         self.buffers = jax.device_put(buffers, self.replicated)
         self.optimizer = optax_adamw(self.cfg, decay_mask(model))
         self.opt_state = jax.device_put(self.optimizer.init(self.params), self.replicated)
         self.forward = interop.jax_view(self._torch_forward)
-        self.step_fn = jax.jit(self._sharded_step(), donate_argnums=(0, 1))
+        self.step_fn = self._jit_step()
         self.eval_fn = jax.jit(self._eval_sums)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
 
@@ -226,7 +307,7 @@ class JaxBackend:
     def logits(self, params: dict, buffers: dict, images: jax.Array, key=None) -> jax.Array:
         """Train mode when a PRNG key is given: stochastic depth and dropout draw from it."""
         if self.amp.autocast:  # O1/O2: compute in bf16 from the fp32 master weights
-            params, buffers = cast_floating((params, buffers), self.amp.dtype)
+            params, buffers = cast_floating((params, buffers), self.precision.compute)
         self.module.train(key is not None)  # read while tracing
         randomness = (
             contextlib.nullcontext() if key is None else self.env.override_property(prng=key)
@@ -246,9 +327,15 @@ class JaxBackend:
         key = jax.random.fold_in(self.base_key, adam_state(opt_state).count)
         key = jax.random.fold_in(key, jax.lax.axis_index("data"))
 
+        loss_fn = self._loss
+        if self.cfg.remat:  # keep the layers' matmul outputs, recompute the rest (attention too)
+            loss_fn = jax.checkpoint(
+                loss_fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            )
+
         def micro_step(carry, batch):
             images, targets, index = batch
-            loss, grads = jax.value_and_grad(self._loss)(
+            loss, grads = jax.value_and_grad(loss_fn)(
                 params, buffers, images, targets, jax.random.fold_in(key, index)
             )
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
@@ -272,15 +359,16 @@ class JaxBackend:
         )
         return params, opt_state, jnp.stack([loss, finite.astype(jnp.float32)])
 
-    def _sharded_step(self):
+    def _jit_step(self):
         rep, data = P(), P(None, "data")
-        return jax.shard_map(
+        step = jax.shard_map(
             self._local_step,
             mesh=self.mesh,
             check_vma=False,
             in_specs=(rep, rep, rep, data, data, rep),
             out_specs=(rep, rep, rep),
         )
+        return jax.jit(step, donate_argnums=(0, 1))
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
         return iter(DevicePrefetcher(batches, self._put, self.cfg.device_prefetch))
@@ -297,17 +385,29 @@ class JaxBackend:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
         images = jnp.stack([m[0] for m in micro_batches])
         targets = jnp.stack([m[1] for m in micro_batches])
-        with attention_override(self.env, self.cfg.kernel_opt):
+        args = (self.params, self.opt_state, self.buffers, images, targets, jnp.float32(lr))
+        with attention_override(self.env, self.sdpa), self._lowering_errors():
             try:
-                self.params, self.opt_state, result = self.step_fn(
-                    self.params, self.opt_state, self.buffers, images, targets, jnp.float32(lr)
-                )
-            except OperatorNotFound as err:
-                raise BackendUnavailable(
-                    f"torchax cannot lower an op of {self.cfg.model.name}: {err}; "
-                    "train it with --backend eager, compile or xla"
-                ) from None
+                self.params, self.opt_state, result = self.step_fn(*args)
+            except (NotImplementedError, ValueError, RuntimeError) as err:
+                if not self.attention.flash_calls or self.step_fn._cache_size():
+                    raise
+                # cuDNN took every attention call while tracing the forward, then refused the
+                # backward or the compile: build the whole step on XLA's attention instead.
+                self.attention.give_up(err)
+                self.step_fn = self._jit_step()
+                self.params, self.opt_state, result = self.step_fn(*args)
         return result
+
+    @contextlib.contextmanager
+    def _lowering_errors(self):
+        try:
+            yield
+        except OperatorNotFound as err:
+            raise BackendUnavailable(
+                f"torchax cannot lower an op of {self.cfg.model.name}: {err}; "
+                "train it with --backend eager, compile or xla"
+            ) from None
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         rows = jax.device_get(handles)
@@ -323,7 +423,7 @@ class JaxBackend:
 
     def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
         sums = jnp.zeros(3, jnp.float32)
-        with attention_override(self.env, self.cfg.kernel_opt):
+        with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
                 arrays = [
                     jax.device_put(batch[k].numpy(), self.batch_sharding)
@@ -369,7 +469,7 @@ class JaxBackend:
         return {"model": model, "optimizer": {"state": state, "param_groups": self._param_groups()}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        store = self.amp.dtype if self.amp.level == "O3" else jnp.float32
+        store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}
         self.params = jax.device_put(params, self.replicated)
         saved = state["optimizer"]["state"]
@@ -400,10 +500,23 @@ class JaxBackend:
     def stats(self) -> dict[str, Any]:
         compiled = self.step_fn._cache_size()
         after = 0 if self.compiles_at_warmup is None else compiled - self.compiles_at_warmup
+        events = self.monitor.snapshot()
+        spent = {k: events[k] - self.compile_events_at_start[k] for k in events}
         return {
             "compiles_after_warmup": after,
             "graphs_compiled": compiled,
             "fallback_ops": {},
             "devices": self.local_replicas * jax.process_count(),
             "device_kind": jax.devices()[0].device_kind,
+            "peak_memory_bytes": self.peak_memory_bytes(),
+            "persistent_cache": True,
+            "persistent_cache_hits": int(spent.pop("cache_hits")),
+            "compile_phases_s": spent,
+            **self.attention.stats(),
         }
+
+    def peak_memory_bytes(self) -> int | None:
+        """The device allocator's high-water mark (None where the platform keeps none: CPU)."""
+        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        peaks = [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
+        return max(peaks) if peaks else None

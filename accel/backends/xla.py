@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -32,7 +33,7 @@ from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
-KERNEL_OPTS = "torch_xla's syncfree AdamW"
+KERNEL_OPTS = "torch_xla's syncfree AdamW (O0-O2: its kernel needs fp32 weights)"
 
 try:
     import torch_xla
@@ -129,8 +130,15 @@ class XlaBackend(EagerBackend):
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         if cfg.amp_level != "O0" and cfg.amp_dtype != "bfloat16":
             raise ConfigError("the xla backend does low precision in bfloat16 (--amp_dtype)")
+        if cfg.remat:
+            raise ConfigError("--remat is not supported by the xla backend (eager, compile, jax)")
         self.persistent_cache = init_compile_cache(cfg.compile_cache_dir(), not ctx.is_main)
         super().__init__(cfg, ctx)
+        if cfg.kernel_opt and not self.syncfree:
+            warnings.warn(
+                "--kernel-opt on xla: syncfree AdamW needs fp32 weights, O3 uses torch's AdamW",
+                stacklevel=2,
+            )
         self.compiles_at_start = compile_count()  # the counters are per process, not per run
         self.compiles_at_warmup: int | None = None
         self.input_shapes: set = set()
@@ -145,9 +153,15 @@ class XlaBackend(EagerBackend):
         xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
         return module
 
+    @property
+    def syncfree(self) -> bool:
+        """--kernel-opt's syncfree AdamW; its fused kernel takes fp32 parameters only (bf16 ones
+        at O3 fail XLA's verifier or give NaN), so O3 keeps torch's AdamW."""
+        return self.cfg.kernel_opt and self.amp.level != "O3"
+
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
-        if self.cfg.kernel_opt:
+        if self.syncfree:
             from torch_xla.amp import syncfree
 
             return syncfree.AdamW(groups, lr=lr, betas=betas)
@@ -189,7 +203,7 @@ class XlaBackend(EagerBackend):
     def guarded_step(self, finite: torch.Tensor) -> None:
         """In the graph, without a host sync: the update is computed, then undone where
         `finite` is false (syncfree AdamW skips it in its own kernel)."""
-        if self.cfg.kernel_opt:
+        if self.syncfree:
             self.optimizer.step(found_inf=(~finite).float())
             return
         params = self.optimizer_params

@@ -1,0 +1,143 @@
+"""Every backend x AMP level x --kernel-opt, through the real training loop: finite losses, and
+inside the step the dtypes the level promises (matmul inputs and outputs, weights, optimizer)."""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from accel.distributed import DistContext
+from accel.train import Trainer
+from tests.helpers import micro_config
+
+LEVELS = ("O0", "O1", "O2", "O3")
+LOW = {"O0": "f32", "O1": "bf16", "O2": "bf16", "O3": "bf16"}
+MODELS = {
+    "eager": ("vit_micro", "swin_micro"),
+    "compile": ("vit_micro",),
+    "xla": ("vit_micro", "swin_micro"),
+    "jax": ("vit_micro", "swin_micro"),
+}
+CASES = [
+    pytest.param(backend, model, level, kernel_opt, id=f"{backend}-{model}-{level}-{opt}")
+    for backend, models in MODELS.items()
+    for model in models
+    for level in LEVELS
+    for kernel_opt, opt in ((False, "plain"), (True, "kernel_opt"))
+]
+# torch and JAX names of the dtypes, as the stablehlo text writes them
+SHORT = {"torch.float32": "f32", "torch.bfloat16": "bf16", "float32": "f32", "bfloat16": "bf16"}
+
+
+def _linear_output_dtypes(module: torch.nn.Module) -> dict:
+    """Records the output dtype of every nn.Linear while the step runs (a dict that stops
+    growing after the first step, so that dynamo's guards on it hold from then on)."""
+    seen: dict = {}
+    for name, m in module.named_modules():
+        if isinstance(m, torch.nn.Linear):
+            m.register_forward_hook(lambda _m, _i, out, name=name: seen.update({name: out.dtype}))
+    return seen
+
+
+def _jax_dot_operand_dtypes(backend) -> set[str]:
+    """Element types of the operands of the layers' matmuls and convolutions (and of their
+    gradients) in the lowered jax step. Attention's own batched dots are left out: XLA's
+    attention takes its softmax in fp32 by design, and on GPU cuDNN runs it fused."""
+    import jax
+    import jax.numpy as jnp
+
+    from accel.backends.jax import attention_override
+
+    batch = backend.cfg.batch_size
+    images = jax.ShapeDtypeStruct((1, batch, 3, 32, 32), jnp.uint8)
+    targets = jax.ShapeDtypeStruct((1, batch, 10), jnp.float32)
+    args = (backend.params, backend.opt_state, backend.buffers, images, targets, jnp.float32(0))
+    with attention_override(backend.env, backend.sdpa):
+        text = backend.step_fn.lower(*args).as_text()
+    backend.lowered_text = text
+    ops = [
+        m.group(1)
+        for line in text.splitlines()
+        if "batching_dims" not in line
+        and (m := re.search(r"stablehlo\.(?:dot_general|convolution).*?: \((.*?)\) ->", line))
+    ]
+    assert ops, "no dot or convolution found in the lowered step"
+    return {m for types in ops for m in re.findall(r"x(bf16|f16|f32)>", types)}
+
+
+@functools.cache
+def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bool = False) -> dict:
+    """Five steps of the case; each one compiles once per session, whichever test asks first."""
+    out = Path(tempfile.mkdtemp(prefix=f"amp-{backend}-"))
+    cfg = micro_config(
+        out, backend=backend, model=model, amp_level=level, kernel_opt=kernel_opt, remat=remat
+    )
+    trainer = Trainer(cfg, DistContext())
+    b = trainer.backend
+    seen = {} if backend == "jax" else _linear_output_dtypes(b.module)
+    summary = trainer.train()
+    common = {
+        "losses": summary["losses"],
+        "compiles_after_warmup": summary["compiles_after_warmup"],
+    }
+    if backend == "jax":
+        import jax
+
+        weights = {SHORT[str(a.dtype)] for a in jax.tree.leaves(b.params)}
+        return {
+            **common,
+            "step": _jax_dot_operand_dtypes(b),
+            "weights": weights,
+            "optimizer": weights,  # optax updates the stored weights themselves
+            "attention_calls": b.attention.calls,
+            "recomputes": "optimization_barrier" in b.lowered_text,  # jax.checkpoint's mark
+        }
+    return {
+        **common,
+        "step": {SHORT[str(d)] for d in seen.values()},
+        "weights": {SHORT[str(p.dtype)] for p in b.module.parameters()},
+        "optimizer": {SHORT[str(p.dtype)] for p in b.optimizer_params},
+        "recomputes": any(getattr(m, "grad_checkpointing", False) for m in b.module.modules()),
+    }
+
+
+@pytest.mark.parametrize(("backend", "model", "level", "kernel_opt"), CASES)
+def test_each_level_trains_in_the_dtypes_it_promises(backend, model, level, kernel_opt):
+    case = train_case(backend, model, level, kernel_opt)
+    assert len(case["losses"]) == 5 and all(math.isfinite(x) for x in case["losses"])
+    assert case["compiles_after_warmup"] == 0
+    assert case["step"] == {LOW[level]}, "dtype of the step's matmuls"
+    # The optimizer keeps fp32 weights below O3; jax computes from them directly (O1/O2 cast
+    # inside the step), the torch backends hold a bf16 model at O2 and O3.
+    assert case["optimizer"] == {"bf16" if level == "O3" else "f32"}
+    model_low = level == "O3" or (level == "O2" and backend != "jax")
+    assert case["weights"] == {"bf16" if model_low else "f32"}
+    if backend == "jax":  # attention always traced through jax.nn.dot_product_attention
+        assert case["attention_calls"]
+
+
+def test_jax_o1_tracks_eager_o1():
+    jax_losses = train_case("jax", "vit_micro", "O1", False)["losses"]
+    eager_losses = train_case("eager", "vit_micro", "O1", False)["losses"]
+    assert jax_losses == pytest.approx(eager_losses, rel=2e-2)
+
+
+@pytest.mark.parametrize("backend", ["compile", "xla", "jax"])
+def test_o0_first_five_losses_equal_eager(backend):
+    for model in MODELS[backend]:
+        got = train_case(backend, model, "O0", False)["losses"]
+        assert got == pytest.approx(train_case("eager", model, "O0", False)["losses"], rel=1e-3)
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_remat_recomputes_and_trains_alike(backend):
+    plain = train_case(backend, "vit_micro", "O0", False)
+    remat = train_case(backend, "vit_micro", "O0", False, remat=True)
+    assert remat["recomputes"] and not plain["recomputes"]
+    assert remat["losses"] == pytest.approx(plain["losses"], rel=1e-5)

@@ -1,0 +1,85 @@
+"""Commands as users type them: the seed's own launch lines verbatim, jax with loader workers,
+and a second launch of a jax job that reuses the first one's compiled step."""
+
+from __future__ import annotations
+
+import math
+import os
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import read_summary, run_cli
+
+SCRIPT = Path(sys.executable).with_name("launch_single_task")  # the installed console script
+SEED_COMMANDS = [
+    ("launch_single_task --amp_level=O1 --batch_size=32 --nproc_per_node=1", {}, "eager", "O1"),
+    (
+        "USE_ACCEL=1 launch_single_task --nproc_per_node=1 --amp_level=O2 --kernel-opt "
+        "--batch_size=32 --nproc_per_node=1",
+        {"USE_ACCEL": "1"},
+        "xla",  # no CUDA GPU here: the XLA path is torch_xla
+        "O2",
+    ),
+]
+
+
+@pytest.mark.parametrize(("command", "env", "backend", "level"), SEED_COMMANDS)
+def test_seed_commands_train_a_default_length(tmp_path, command, env, backend, level):
+    argv = shlex.split(command)
+    argv = [str(SCRIPT), *argv[argv.index("launch_single_task") + 1 :]]
+    result = subprocess.run(
+        argv,
+        cwd=tmp_path,  # the default --output, runs/, lands here
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    first_lines = result.stdout.splitlines()[:3]
+    assert any("no --steps or --epochs given: training 1 epoch" in line for line in first_lines)
+    summary = read_summary(tmp_path / "runs")
+    assert (summary["backend"], summary["amp_level"]) == (backend, level)
+    # 1024 synthetic images in batches of 32: one epoch is 32 steps.
+    assert summary["steps"] == 32 and summary["global_batch_size"] == 32
+    assert all(math.isfinite(x) for x in summary["losses"])
+
+
+def _jax_losses(output: Path, workers: int) -> tuple[list[float], str]:
+    result = run_cli(
+        *("--backend", "jax", "--steps", "4", "--batch_size", "8", "--no-eval"),
+        *("--mixup", "0.8", "--cutmix", "1.0", "--synthetic_length", "64"),
+        *("--workers", str(workers), "--output", str(output)),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_summary(output)["losses"], result.stdout + result.stderr
+
+
+def test_jax_with_loader_workers_forks_no_threaded_process(tmp_path):
+    with_workers, printed = _jax_losses(tmp_path / "workers", 2)
+    assert "deadlock" not in printed and "os.fork()" not in printed
+    without, _ = _jax_losses(tmp_path / "main", 0)
+    assert with_workers == without  # the same batches, bit for bit
+
+
+def _first_step_launch(output: Path) -> dict:
+    result = run_cli(
+        *("--backend", "jax", "--model", "swin_micro", "--steps", "2", "--batch_size", "8"),
+        *("--workers", "0", "--no-eval", "--output", str(output)),
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_summary(output)
+
+
+def test_second_jax_launch_hits_the_compilation_cache(tmp_path):
+    first = _first_step_launch(tmp_path)
+    second = _first_step_launch(tmp_path)  # same --output: same cache folder
+    assert first["persistent_cache"] and second["persistent_cache"]
+    assert first["persistent_cache_hits"] == 0 and second["persistent_cache_hits"] >= 1
+    assert second["compile_phases_s"]["compile_s"] < first["compile_phases_s"]["compile_s"] / 2
+    assert second["time_to_first_step_s"] < first["time_to_first_step_s"]
+    assert any((tmp_path / ".compile_cache" / "jax").iterdir())
