@@ -11,6 +11,7 @@ import json
 import os
 import sys
 import time
+import warnings
 from datetime import datetime
 from pathlib import Path
 from types import ModuleType
@@ -103,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernel-opt",
         dest="kernel_opt",
         action="store_true",
-        help="fused paths: eager/compile: fused (CUDA) or foreach AdamW, compile "
-        "max-autotune; xla: syncfree AdamW; jax: jax.nn.dot_product_attention",
+        help="the backend's extra fused paths: compile: inductor max-autotune; xla: syncfree "
+        "AdamW (eager's AdamW is always fused, jax's attention always JAX's)",
     )
     p.add_argument(
         "--remat",
@@ -368,7 +369,25 @@ def error(message: str) -> None:
     print(f"launch_single_task: error{rank}: {message}", file=sys.stderr, flush=True)
 
 
+def one_line_warnings() -> None:
+    """The project's own warnings (skipped files, empty classes, ...) print as one line, without
+    the source line Python adds after each, above the progress bar (tqdm.write); other
+    libraries' keep their usual format."""
+    from tqdm import tqdm
+
+    ours = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("accel", "data"))
+    usual = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        if not str(filename).startswith(ours):
+            return usual(message, category, filename, lineno, file, line)
+        tqdm.write(f"warning: {message}", file=file or sys.stderr)
+
+    warnings.showwarning = show
+
+
 def main(argv: list[str] | None = None) -> int:
+    one_line_warnings()
     try:
         return run(sys.argv[1:] if argv is None else argv)
     except USER_ERRORS as err:

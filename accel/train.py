@@ -126,7 +126,13 @@ class Trainer:
         self.host_batch = cfg.batch_size * self.backend.local_replicas
         with timer.phase("loader"):
             self.loader = build_train_loader(
-                cfg.data, self.image_size, self.host_batch, ctx.rank, ctx.world_size, cfg.seed
+                cfg.data,
+                self.image_size,
+                self.host_batch,
+                ctx.rank,
+                ctx.world_size,
+                cfg.seed,
+                pin_memory=self.backend.pin_memory,
             )
         self.steps_per_epoch = len(self.loader.batch_sampler) // cfg.optim.grad_accum
         if self.steps_per_epoch < 1:

@@ -99,9 +99,26 @@ def launch(model: str, spec: str, launch_index: int, args: argparse.Namespace, o
     return {**row, **{k: summary[k] for k in KEEP if k in summary}}
 
 
+def fed(model: str, spec: str, args: argparse.Namespace) -> float | None:
+    """img/s of the same step with the batch already on the device (bench/fed_step.py)."""
+    backend, _, option = spec.partition("+")
+    argv = [
+        *(sys.executable, str(ROOT / "bench" / "fed_step.py"), "--backend", backend),
+        *("--model", model, "--batch_size", str(args.batch_size), "--steps", str(args.steps)),
+        *("--amp_level", args.amp_level, "--num_classes", str(args.num_classes)),
+        *("--warmup", str(args.warmup)),
+        *(["--kernel-opt"] if option == "kernel_opt" else []),
+    ]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(result.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(result.stdout.strip().splitlines()[-1])["fed_images_per_sec"]
+
+
 def print_table(rows: list[dict]) -> None:
     head = f"{'model':<30}{'backend':<18}{'launch':>7}{'img/s':>9}{'x first':>9}"
-    print(f"\n{head}{'first step s':>14}{'peak GiB':>10}")
+    print(f"\n{head}{'first step s':>14}{'peak GiB':>10}{'loop eff':>10}")
     for row in rows:
         if "error" in row:
             print(f"{row['model']:<30}{row['backend']:<18}{row['launch']:>7}  failed")
@@ -112,6 +129,7 @@ def print_table(rows: list[dict]) -> None:
             f"{row['images_per_sec']:>9.1f}{row['speedup']:>9.2f}"
             f"{row['time_to_first_step_s']:>14.1f}"
             f"{(peak / 2**30 if peak else float('nan')):>10.1f}"
+            f"{row.get('loop_efficiency', float('nan')):>10.2f}"
         )
 
 
@@ -126,6 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--launches", type=int, default=1, help="launches of each job (cache reuse)")
+    p.add_argument(
+        "--fed",
+        action="store_true",
+        help="also time each backend's step fed with a batch already on the device, and "
+        "report loop efficiency (the loop's img/s over the fed step's)",
+    )
     p.add_argument("--tag", default="", help="results file name (default: derived)")
     args = p.parse_args(argv)
     rows = []
@@ -140,6 +164,10 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     first = first or row["images_per_sec"]
                     row["speedup"] = row["images_per_sec"] / first
+                if args.fed and "error" not in rows[-1]:
+                    rows[-1]["fed_images_per_sec"] = fed_ips = fed(model, spec, args)
+                    if fed_ips:
+                        rows[-1]["loop_efficiency"] = rows[-1]["images_per_sec"] / fed_ips
     print_table(rows)
     record = {
         "settings": vars(args),

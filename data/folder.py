@@ -7,13 +7,15 @@ count them (workers cannot share a counter cheaply).
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
+import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
+from torchvision import transforms as v1
 from torchvision.datasets.folder import find_classes, make_dataset
-from torchvision.transforms import v2
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".gif")
 DECODE_ERRORS = (OSError, UnidentifiedImageError, ValueError, SyntaxError)
@@ -27,15 +29,75 @@ class BadImageError(RuntimeError):
     """An image could not be decoded and --strict-data is on."""
 
 
-def train_transform(size: int) -> v2.Compose:
-    return v2.Compose(
-        [v2.PILToTensor(), v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()]
-    )
+class DecodeCrop:
+    """Path in, uint8 CHW crop out: decode, crop, resize (and flip) on PIL in uint8.
+
+    A JPEG is decoded at 1/2, 1/4 or 1/8 scale (PIL's draft mode, libjpeg's DCT scaling) when the
+    crop, brought to `size`, still has at least as many pixels as the output: most random crops
+    of an ImageNet photo need a fraction of its pixels, and decoding is most of a worker's time.
+    `draft=False` decodes at full size (the reference the benchmark compares with).
+    """
+
+    def __init__(self, size: int, draft: bool = True):
+        self.size = size
+        self.draft = draft
+
+    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        """(left, top, width, height) of the crop in full-size pixels."""
+        raise NotImplementedError
+
+    def __call__(self, path: str) -> torch.Tensor:
+        with Image.open(path) as img:
+            left, top, w, h = self.box(*img.size)
+            full_width = img.size[0]
+            if self.draft and img.format == "JPEG":
+                # Smallest scale that keeps the crop at least `size` pixels on each side.
+                img.draft(
+                    "RGB", (-(-img.size[0] * self.size // w), -(-img.size[1] * self.size // h))
+                )
+            img.load()  # decodes everything: truncated files fail here
+            scale = img.size[0] / full_width
+            crop = (left * scale, top * scale, (left + w) * scale, (top + h) * scale)
+            image = img.convert("RGB").resize(
+                (self.size, self.size), Image.Resampling.BILINEAR, box=crop, reducing_gap=None
+            )
+        return self.finish(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1))
+
+    def finish(self, image: torch.Tensor) -> torch.Tensor:
+        return image
 
 
-def eval_transform(size: int) -> v2.Compose:
-    resize = round(size / 0.875)  # the usual ImageNet crop ratio
-    return v2.Compose([v2.PILToTensor(), v2.Resize(resize, antialias=True), v2.CenterCrop(size)])
+class RandomResizedCropDecode(DecodeCrop):
+    """torchvision's RandomResizedCrop (same box distribution, drawn from torch's RNG) and a
+    horizontal flip, for training."""
+
+    scale = (0.08, 1.0)
+    ratio = (3 / 4, 4 / 3)
+
+    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        canvas = torch.empty((1, height, width), dtype=torch.uint8)  # only its size is read
+        top, left, h, w = v1.RandomResizedCrop.get_params(canvas, self.scale, self.ratio)
+        return left, top, w, h
+
+    def finish(self, image: torch.Tensor) -> torch.Tensor:
+        return image.flip(-1) if torch.rand(1).item() < 0.5 else image
+
+
+class CenterCropDecode(DecodeCrop):
+    """Resize the short side to size / 0.875 and take the central square (the usual ImageNet
+    evaluation), as one crop of the original."""
+
+    def box(self, width: int, height: int) -> tuple[int, int, int, int]:
+        side = round(min(width, height) * 0.875)
+        return (width - side) // 2, (height - side) // 2, side, side
+
+
+def train_transform(size: int, draft: bool = True) -> RandomResizedCropDecode:
+    return RandomResizedCropDecode(size, draft)
+
+
+def eval_transform(size: int, draft: bool = True) -> CenterCropDecode:
+    return CenterCropDecode(size, draft)
 
 
 def split_dir(root: str | Path, split: str) -> Path:
@@ -48,21 +110,31 @@ def split_dir(root: str | Path, split: str) -> Path:
     return folder
 
 
-def load_rgb(path: str) -> Image.Image:
-    """Decode fully (so truncated files fail here) and convert L, LA, P, RGBA, CMYK to RGB."""
-    with Image.open(path) as img:
-        img.load()
-        return img.convert("RGB")
+def class_names(root: str | Path) -> list[str]:
+    """The classes are the folders of train/: both splits number them alike, whatever folders
+    val/ holds."""
+    try:
+        return find_classes(str(split_dir(root, "train")))[0]
+    except FileNotFoundError as err:
+        raise DatasetError(f"dataset folder {split_dir(root, 'train')} is empty: {err}") from None
 
 
 class ImageFolderDataset(Dataset):
     def __init__(self, root: str | Path, split: str, transform, strict: bool = False):
         folder = split_dir(root, split)
-        try:
-            self.classes, class_to_idx = find_classes(str(folder))
-            self.samples = make_dataset(str(folder), class_to_idx, IMAGE_EXTENSIONS)
-        except FileNotFoundError as err:
-            raise DatasetError(f"dataset folder {folder} is empty: {err}") from None
+        self.classes = class_names(root)
+        class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.samples = make_dataset(str(folder), class_to_idx, IMAGE_EXTENSIONS, allow_empty=True)
+        if not self.samples:
+            raise DatasetError(f"dataset folder {folder} is empty: no images in its class folders")
+        found = {label for _, label in self.samples}
+        empty = [name for i, name in enumerate(self.classes) if i not in found]
+        if empty:  # a class kept with no images here (its index stays), said once
+            warnings.warn(
+                f"{folder}: {len(empty)} class folder(s) with no images, kept as classes: "
+                f"{', '.join(empty)}",
+                stacklevel=2,
+            )
         self.num_classes = len(self.classes)
         self.transform = transform
         self.strict = strict
@@ -76,13 +148,13 @@ class ImageFolderDataset(Dataset):
         for offset in range(len(self.samples)):
             path, label = self.samples[(index + offset) % len(self.samples)]
             try:
-                image = load_rgb(path)
+                image = self.transform(path)  # decodes: L, LA, P, RGBA, CMYK become RGB
             except DECODE_ERRORS as err:
                 if self.strict:
                     raise BadImageError(f"unreadable image {path}: {err}") from None
                 skipped.append(path)
                 continue
-            return self.transform(image), label, tuple(skipped)
+            return image, label, tuple(skipped)
         raise DatasetError("no readable image in the dataset")
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import multiprocessing
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.collate import MixupConfig, TrainCollate, eval_collate
-from data.folder import ImageFolderDataset, eval_transform, split_dir, train_transform
+from data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
 from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from data.synthetic import SyntheticImages
 
@@ -25,6 +24,7 @@ class DataConfig:
     mixup: MixupConfig = field(default_factory=MixupConfig)
     strict: bool = False
     persistent_workers: bool = True
+    jpeg_draft: bool = True  # decode JPEGs at reduced scale where the crop allows
 
     @property
     def is_synthetic(self) -> bool:
@@ -61,7 +61,8 @@ def build_dataset(cfg: DataConfig, split: str, image_size: int, seed: int) -> Da
             (3, image_size, image_size),
             seed=seed + (0 if split == "train" else 1),
         )
-    transform = train_transform(image_size) if split == "train" else eval_transform(image_size)
+    make = train_transform if split == "train" else eval_transform
+    transform = make(image_size, draft=cfg.jpeg_draft)
     return ImageFolderDataset(cfg.source, split, transform, strict=cfg.strict)
 
 
@@ -69,7 +70,7 @@ def dataset_num_classes(cfg: DataConfig) -> int:
     """Class count without decoding anything (folders: the number of class folders)."""
     if cfg.is_synthetic:
         return cfg.num_classes
-    return len([p for p in Path(split_dir(cfg.source, "train")).iterdir() if p.is_dir()])
+    return len(class_names(cfg.source))
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
@@ -82,7 +83,13 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 
 def _loader(
-    dataset: Dataset, batch_sampler, collate, seed: int, workers: int, persistent: bool
+    dataset: Dataset,
+    batch_sampler,
+    collate,
+    seed: int,
+    workers: int,
+    persistent: bool,
+    pin_memory: bool = False,
 ) -> DataLoader:
     return DataLoader(
         KeyedDataset(dataset, seed),
@@ -91,7 +98,7 @@ def _loader(
         num_workers=workers,
         persistent_workers=persistent and workers > 0,
         multiprocessing_context=worker_context() if workers > 0 else None,
-        pin_memory=False,
+        pin_memory=pin_memory,
         # Each new iterator draws a base seed from this generator: with the global one, starting
         # an epoch (or a resumed run) would shift the model's random stream. Data randomness is
         # keyed per sample and never uses it.
@@ -100,17 +107,24 @@ def _loader(
 
 
 def build_train_loader(
-    cfg: DataConfig, image_size: int, batch_size: int, rank: int, world_size: int, seed: int
+    cfg: DataConfig,
+    image_size: int,
+    batch_size: int,
+    rank: int,
+    world_size: int,
+    seed: int,
+    pin_memory: bool = False,
 ) -> DataLoader:
     """Per-rank loader of fixed-size uint8 batches with soft targets; call
-    `loader.batch_sampler.set_epoch(epoch, start_batch)` before each epoch."""
+    `loader.batch_sampler.set_epoch(epoch, start_batch)` before each epoch. `pin_memory`:
+    batches in page-locked memory, for asynchronous copies to a CUDA device."""
     dataset = build_dataset(cfg, "train", image_size, seed)
     num_classes = getattr(dataset, "num_classes", cfg.num_classes)
     if cfg.mixup.enabled and batch_size % 2:
         raise ValueError(f"mixup/cutmix need an even per-device batch size, got {batch_size}")
     sampler = ShardedBatchSampler(len(dataset), batch_size, rank, world_size, seed)
     collate = TrainCollate(num_classes, cfg.label_smoothing, cfg.mixup, seed)
-    return _loader(dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers)
+    return _loader(dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers, pin_memory)
 
 
 def build_eval_loader(

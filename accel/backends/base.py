@@ -34,6 +34,7 @@ class RecompileError(RuntimeError):
 class Backend(Protocol):
     name: str
     local_replicas: int  # devices one process drives (jax: its local devices; others: 1)
+    pin_memory: bool  # whether the loader should hand over batches in pinned host memory
 
     def setup(self, model: ImageClassifier) -> None:
         """Place the model, build the optimizer and whatever the step needs."""

@@ -25,7 +25,7 @@ from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
 from models.factory import ImageClassifier
 
-KERNEL_OPTS = "fused AdamW on CUDA (foreach on CPU)"
+KERNEL_OPTS = "nothing more: AdamW is always the fused one, which skips non-finite steps itself"
 
 
 def require() -> None:
@@ -51,6 +51,26 @@ def eval_sums(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) ->
     loss = nn.functional.cross_entropy(logits, labels, reduction="none")
     correct = (logits.argmax(-1) == labels).float()
     return torch.stack([(loss * mask).sum(), (correct * mask).sum(), mask.sum()])
+
+
+def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Batch]:
+    """Copies the next batch on a side stream while the current one computes (the pattern of
+    timm's PrefetchLoader, which wraps a whole loader and normalises; here batches stay uint8
+    and the model normalises them)."""
+    stream = torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    ready = None
+    for batch in batches:
+        with torch.cuda.stream(stream):
+            moved = tuple(t.to(device, non_blocking=True) for t in batch)
+        if ready is not None:
+            yield ready
+        main.wait_stream(stream)
+        for t in moved:  # allocated on the side stream, used on the main one
+            t.record_stream(main)
+        ready = moved
+    if ready is not None:
+        yield ready
 
 
 class EagerBackend:
@@ -102,17 +122,20 @@ class EagerBackend:
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
-        fast = {}
-        if self.cfg.kernel_opt:
-            fast = {"fused": True} if self.device.type == "cuda" else {"foreach": True}
-        return torch.optim.AdamW(groups, lr=self.cfg.optim.lr, betas=self.cfg.optim.betas, **fast)
+        # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`, which
+        # skips a non-finite step on the device (see guarded_step).
+        lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
+        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether host batches should come in pinned memory (asynchronous copies to CUDA)."""
+        return self.device.type == "cuda"
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        for images, targets in batches:
-            yield (
-                images.to(self.device, non_blocking=True),
-                targets.to(self.device, non_blocking=True),
-            )
+        if self.device.type == "cuda":
+            return cuda_prefetch(batches, self.device)
+        return (tuple(t.to(self.device) for t in batch) for batch in batches)
 
     # --- the step -----------------------------------------------------------------------------
     def autocast(self):
@@ -190,7 +213,12 @@ class EagerBackend:
         return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
     def guarded_step(self, finite: torch.Tensor) -> None:
-        """Eager decides on the host: one sync per step, as torch's GradScaler does."""
+        """No host sync: fused AdamW leaves the weights, moments and step count as they were
+        where `found_inf` is 1. fp16 loss scaling keeps its scaler, deciding on the host."""
+        if not self.scaler.is_enabled():
+            self.optimizer.found_inf = (~finite).float()
+            self.optimizer.step()
+            return
         if bool(finite):
             self.scaler.step(self.optimizer)
         self.scaler.update()  # also after a skipped step: it ends what unscale_ began

@@ -255,6 +255,7 @@ class DevicePrefetcher:
 
 class JaxBackend:
     name = "jax"
+    pin_memory = False  # device_put stages host arrays itself
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         if cfg.amp_level != "O0" and cfg.amp_dtype != "bfloat16":

@@ -1,5 +1,7 @@
 """Training on real JPEG folders with bad files, through the launcher."""
 
+import re
+
 import pytest
 
 from tests.helpers import read_summary, run_cli
@@ -36,6 +38,11 @@ def test_unreadable_files_are_skipped_counted_and_odd_modes_trained_on(tmp_path,
     assert result.stderr.count(f"skipped unreadable image {dirty_imagenet}") == 3
     for name in ("truncated.jpg", "empty.jpg", "notes.png"):
         assert result.stderr.count(name) == 1, name  # one warning per file
+    # One clean line each: no source line of the project printed after it.
+    lines = re.split(r"[\r\n]", result.stderr)  # the progress bar redraws with carriage returns
+    warned = [line for line in lines if "skipped unreadable" in line]
+    assert all(line.startswith("warning: skipped unreadable image") for line in warned)
+    assert "self.add(" not in result.stderr and "warnings.warn(" not in result.stderr
     assert summary["eval_images"] == 9
 
 
@@ -46,3 +53,16 @@ def test_strict_data_stops_at_the_first_bad_file_from_a_worker(tmp_path, dirty_i
     assert len(errors) == 1 and "Traceback" not in result.stderr
     assert errors[0].startswith("launch_single_task: error: unreadable image")
     assert str(dirty_imagenet) in errors[0]
+
+
+def test_a_class_with_no_images_in_either_split_is_kept_and_trained(tmp_path):
+    root = dirty_mock_imagenet(tmp_path / "data", val_per_class=2)
+    for split in ("train", "val"):
+        (root / split / "a_empty").mkdir()
+    result = _train(root, tmp_path / "runs", "--workers", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = read_summary(tmp_path / "runs")
+    assert summary["steps"] == 6 and summary["eval_images"] == 6
+    kept = [line for line in re.split(r"[\r\n]", result.stderr) if "kept as classes" in line]
+    assert len(kept) == 2  # once per split
+    assert all(line.startswith("warning:") and line.endswith(": a_empty") for line in kept)

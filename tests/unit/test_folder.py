@@ -94,3 +94,18 @@ def test_missing_and_empty_folders_are_reported(tmp_path):
     (tmp_path / "empty" / "train").mkdir(parents=True)
     with pytest.raises(DatasetError, match="empty"):
         ImageFolderDataset(tmp_path / "empty", "train", eval_transform(32))
+
+
+def test_splits_number_classes_alike_when_a_folder_is_empty_or_missing(tmp_path):
+    root = dirty_mock_imagenet(tmp_path, val_per_class=2)
+    (root / "train" / "a_empty").mkdir()  # sorts first: every index after it shifts by one
+    val_classes = sorted(p.name for p in (root / "val").iterdir())
+    (root / "val" / val_classes[0]).rename(root / "val" / "zz_unknown")  # not a train class
+    with pytest.warns(UserWarning, match="kept as classes: a_empty$"):
+        train = ImageFolderDataset(root, "train", eval_transform(32))
+    with pytest.warns(UserWarning, match=f"kept as classes: a_empty, {val_classes[0]}$"):
+        val = ImageFolderDataset(root, "val", eval_transform(32))
+    assert val.classes == train.classes and train.classes[0] == "a_empty"
+    for path, label in val.samples:
+        assert train.classes[label] == Path(path).parent.name
+    assert {label for _, label in val.samples} == {2, 3}

@@ -1,0 +1,38 @@
+"""The eager step queues its work and returns: nothing in it reads a value back to the host."""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+
+from accel.backends.eager import EagerBackend
+from accel.distributed import DistContext
+from models.factory import create_model
+from tests.helpers import micro_config
+
+HOST_READS = {"__bool__", "item", "tolist", "cpu", "numpy", "__float__", "__int__"}
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that hands a value to Python (a device sync on CUDA)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("level", ["O0", "O1", "O2"])
+def test_the_eager_step_reads_nothing_back_to_the_host(tmp_path, level):
+    cfg = micro_config(tmp_path, amp_level=level)
+    backend = EagerBackend(cfg, DistContext())
+    backend.setup(create_model(cfg.model))
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    (batch,) = backend.device_batches([(images, torch.softmax(torch.randn(8, 10), -1))])
+    with HostReads() as reads:
+        handles = [backend.train_step([batch], lr=1e-3) for _ in range(2)]
+    assert reads.seen == []
+    assert all(r.applied for r in backend.fetch_results(handles))
