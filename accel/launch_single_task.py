@@ -90,9 +90,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch_size", type=int, default=32, help="per device and micro-step")
     length = p.add_mutually_exclusive_group()
     length.add_argument(
-        "--steps", type=int, default=0, help=f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)"
+        "--steps", type=int, default=None, help=f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)"
     )
-    length.add_argument("--epochs", type=int, default=0)
+    length.add_argument("--epochs", type=int, default=None)
     p.add_argument("--grad_accum", type=int, default=1, help="micro-steps per optimizer step")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight_decay", type=float, default=0.05)
@@ -186,6 +186,14 @@ def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, st
     return "eager", "default, USE_ACCEL unset"
 
 
+def run_length(args: argparse.Namespace) -> tuple[int, int]:
+    """(steps, epochs): the default length where neither is given (announced in run()); a given
+    0 stays 0, and validate() refuses it."""
+    if args.steps is None and args.epochs is None:
+        return 0, DEFAULT_EPOCHS
+    return args.steps or 0, args.epochs or 0
+
+
 def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
     mixup = MixupConfig(
         mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, off_epoch=args.mixup_off_epoch
@@ -212,8 +220,8 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         data=data,
         optim=optim,
         batch_size=args.batch_size,
-        steps=args.steps,
-        epochs=args.epochs,
+        steps=run_length(args)[0],
+        epochs=run_length(args)[1],
         amp_level=args.amp_level,
         amp_dtype=args.amp_dtype,
         kernel_opt=args.kernel_opt,
@@ -246,8 +254,8 @@ def validate(cfg: RunConfig) -> ModuleType:
         raise ConfigError("--batch_size, --grad_accum and --nproc_per_node must be >= 1")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
         raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
-    if cfg.steps < 0 or cfg.epochs < 0:
-        raise ConfigError(f"--steps and --epochs must be positive, got {cfg.steps or cfg.epochs}")
+    if cfg.steps < 0 or cfg.epochs < 0 or not (cfg.steps or cfg.epochs):
+        raise ConfigError("give a positive --steps or --epochs")
     if not cfg.data.is_synthetic:
         dataset_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
     _check_gpu_count(cfg)
@@ -326,14 +334,11 @@ def run(argv: list[str]) -> int:
     ctx = env_context()
     if ctx.is_main:
         print(f"accel: backend {backend} ({why})", flush=True)
-    if not (args.steps or args.epochs):
-        cfg.epochs = DEFAULT_EPOCHS
-        if ctx.is_main:
-            print(
-                f"accel: no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch "
-                f"of {args.data}",
-                flush=True,
-            )
+    if args.steps is None and args.epochs is None and ctx.is_main:
+        print(
+            f"accel: no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch of {args.data}",
+            flush=True,
+        )
     module = validate(cfg)
     cfg.run_name = resolve_run_name(cfg)
     if cfg.nproc_per_node > 1 and not launched_by_torchrun():
