@@ -116,8 +116,8 @@ class Trainer:
         with timer.phase("model"):
             self.model = create_model(cfg.model)
         self.image_size = self.model.input_size[-1]
-        with timer.phase("flops"):  # on the host, before placement
-            self.flops_per_image = train_flops_per_image(self.model)
+        with timer.phase("flops"):
+            self.flops_per_image = train_flops_per_image(cfg.model)
         with timer.phase("setup"):
             self.backend.setup(self.model)
         # The same initial weights on every rank (above), then each rank its own random stream.

@@ -296,7 +296,10 @@ class JaxBackend:
         self.params = jax.device_put(params, self.replicated)
         self.buffers = jax.device_put(buffers, self.replicated)
         self.optimizer = optax_adamw(self.cfg, decay_mask(model))
-        self.opt_state = jax.device_put(self.optimizer.init(self.params), self.replicated)
+        # One compiled program for the whole state: op by op, every distinct shape's zeros would
+        # compile a kernel of its own.
+        init = jax.jit(self.optimizer.init, out_shardings=self.replicated)
+        self.opt_state = init(self.params)
         self.forward = interop.jax_view(self._torch_forward)
         self.step_fn = self._jit_step()
         self.eval_fn = jax.jit(self._eval_sums)
