@@ -30,7 +30,7 @@ lint: setup
 
 bench: setup
 	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro \
-		--backends eager,compile,jax,jax+kernel_opt --tag cpu-micro-all-backends
+		--backends eager,compile,jax --launches 2 --fed --tag cpu-micro-all-backends
 
 # The README's comparison plot: the same job on each backend, parsed by accel-report.
 plot: setup

@@ -32,10 +32,11 @@ class BadImageError(RuntimeError):
 class DecodeCrop:
     """Path in, uint8 CHW crop out: decode, crop, resize (and flip) on PIL in uint8.
 
-    A JPEG is decoded at 1/2, 1/4 or 1/8 scale (PIL's draft mode, libjpeg's DCT scaling) when the
-    crop, brought to `size`, still has at least as many pixels as the output: most random crops
-    of an ImageNet photo need a fraction of its pixels, and decoding is most of a worker's time.
-    `draft=False` decodes at full size (the reference the benchmark compares with).
+    Written here rather than composed from torchvision's transforms because the crop has to be
+    chosen before decoding: a JPEG is then decoded at 1/2, 1/4 or 1/8 scale (PIL's draft mode,
+    libjpeg's DCT scaling) when the crop, brought to `size`, keeps at least `size` pixels a side.
+    That pays for photos more than twice the crop's size; smaller ones decode at full size.
+    `draft=False` always decodes at full size (the benchmark's reference).
     """
 
     def __init__(self, size: int, draft: bool = True):
