@@ -380,6 +380,8 @@ def one_line_warnings() -> None:
     libraries' keep their usual format."""
     from tqdm import tqdm
 
+    if getattr(warnings.showwarning, "one_line", False):  # main() may run more than once
+        return
     ours = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("accel", "data"))
     usual = warnings.showwarning
 
@@ -388,6 +390,7 @@ def one_line_warnings() -> None:
             return usual(message, category, filename, lineno, file, line)
         tqdm.write(f"warning: {message}", file=file or sys.stderr)
 
+    show.one_line = True
     warnings.showwarning = show
 
 
