@@ -195,6 +195,7 @@ def run_length(args: argparse.Namespace) -> tuple[int, int]:
 
 
 def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
+    steps, epochs = run_length(args)
     mixup = MixupConfig(
         mixup_alpha=args.mixup, cutmix_alpha=args.cutmix, off_epoch=args.mixup_off_epoch
     )
@@ -220,8 +221,8 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         data=data,
         optim=optim,
         batch_size=args.batch_size,
-        steps=run_length(args)[0],
-        epochs=run_length(args)[1],
+        steps=steps,
+        epochs=epochs,
         amp_level=args.amp_level,
         amp_dtype=args.amp_dtype,
         kernel_opt=args.kernel_opt,

@@ -77,19 +77,27 @@ KEEP = (
 )
 
 
+def job_flags(model: str, spec: str, args: argparse.Namespace) -> list[str]:
+    """The flags that make the job: the same for the loop's launch and the fed step."""
+    backend, _, option = spec.partition("+")
+    return [
+        *("--backend", backend, "--model", model, "--batch_size", str(args.batch_size)),
+        *("--steps", str(args.steps), "--amp_level", args.amp_level),
+        *("--num_classes", str(args.num_classes)),
+        *(["--kernel-opt"] if option == "kernel_opt" else []),
+    ]
+
+
 def launch(model: str, spec: str, launch_index: int, args: argparse.Namespace, out: Path) -> dict:
     """One launch_single_task process; its summary.json, trimmed to what the table needs."""
-    backend, _, option = spec.partition("+")
+    backend = spec.partition("+")[0]
     run_name = f"{spec}-{launch_index}"
     argv = [
-        *(sys.executable, "-m", "accel.launch_single_task", "--backend", backend),
-        *("--model", model, "--batch_size", str(args.batch_size), "--steps", str(args.steps)),
-        *("--amp_level", args.amp_level, "--num_classes", str(args.num_classes)),
+        *(sys.executable, "-m", "accel.launch_single_task", *job_flags(model, spec, args)),
         *("--synthetic_length", str(args.batch_size * (args.steps + 1))),
         *("--workers", str(args.workers), "--timing_warmup_steps", str(args.warmup)),
         *("--log_every", str(args.steps), "--no-eval", "--output", str(out)),
         *("--run_name", run_name),
-        *(["--kernel-opt"] if option == "kernel_opt" else []),
     ]
     result = subprocess.run(argv, cwd=ROOT)
     if result.returncode != 0:
@@ -101,13 +109,9 @@ def launch(model: str, spec: str, launch_index: int, args: argparse.Namespace, o
 
 def fed(model: str, spec: str, args: argparse.Namespace) -> float | None:
     """img/s of the same step with the batch already on the device (bench/fed_step.py)."""
-    backend, _, option = spec.partition("+")
     argv = [
-        *(sys.executable, str(ROOT / "bench" / "fed_step.py"), "--backend", backend),
-        *("--model", model, "--batch_size", str(args.batch_size), "--steps", str(args.steps)),
-        *("--amp_level", args.amp_level, "--num_classes", str(args.num_classes)),
+        *(sys.executable, str(ROOT / "bench" / "fed_step.py"), *job_flags(model, spec, args)),
         *("--warmup", str(args.warmup)),
-        *(["--kernel-opt"] if option == "kernel_opt" else []),
     ]
     result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
     if result.returncode != 0:

@@ -45,10 +45,8 @@ def _linear_output_dtypes(module: torch.nn.Module) -> dict:
     return seen
 
 
-def _jax_dot_operand_dtypes(backend) -> set[str]:
-    """Element types of the operands of the layers' matmuls and convolutions (and of their
-    gradients) in the lowered jax step. Attention's own batched dots are left out: XLA's
-    attention takes its softmax in fp32 by design, and on GPU cuDNN runs it fused."""
+def _lowered_step(backend) -> str:
+    """The jax step as StableHLO text, for the shapes the case trained on."""
     import jax
     import jax.numpy as jnp
 
@@ -59,8 +57,13 @@ def _jax_dot_operand_dtypes(backend) -> set[str]:
     targets = jax.ShapeDtypeStruct((1, batch, 10), jnp.float32)
     args = (backend.params, backend.opt_state, backend.buffers, images, targets, jnp.float32(0))
     with attention_override(backend.env, backend.sdpa):
-        text = backend.step_fn.lower(*args).as_text()
-    backend.lowered_text = text
+        return backend.step_fn.lower(*args).as_text()
+
+
+def _dot_operand_dtypes(text: str) -> set[str]:
+    """Element types of the operands of the layers' matmuls and convolutions (and of their
+    gradients) in a lowered step. Attention's own batched dots are left out: XLA's attention
+    takes its softmax in fp32 by design, and on GPU cuDNN runs it fused."""
     ops = [
         m.group(1)
         for line in text.splitlines()
@@ -90,13 +93,14 @@ def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bo
         import jax
 
         weights = {SHORT[str(a.dtype)] for a in jax.tree.leaves(b.params)}
+        text = _lowered_step(b)
         return {
             **common,
-            "step": _jax_dot_operand_dtypes(b),
+            "step": _dot_operand_dtypes(text),
             "weights": weights,
             "optimizer": weights,  # optax updates the stored weights themselves
             "attention_calls": b.attention.calls,
-            "recomputes": "optimization_barrier" in b.lowered_text,  # jax.checkpoint's mark
+            "recomputes": "optimization_barrier" in text,  # jax.checkpoint's mark
         }
     return {
         **common,
