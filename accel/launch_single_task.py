@@ -309,9 +309,12 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
     except ChildFailedError as err:
         ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in err.failures.items())
         error(f"training failed on {ranks}")
-        codes = {f.exitcode for f in err.failures.values()}
-        # The ranks' own exit code where they agree on one of ours, as in one process.
+        # The ranks' own exit code where they agree on one of ours, as in one process. A rank
+        # that exits 1 (an unexpected error) is left out of the vote: when one rank stops on bad
+        # input, the others' collectives fail with it, and whether they exit before torchrun
+        # stops them is a race.
         ours = {EXIT_USER_ERROR, EXIT_RECOMPILES, EXIT_NONFINITE}
+        codes = {f.exitcode for f in err.failures.values()} - {1}
         return codes.pop() if len(codes) == 1 and codes <= ours else 1
     return 0
 
