@@ -307,12 +307,13 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
     try:
         torchrun(args)
     except ChildFailedError as err:
-        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in err.failures.items())
-        error(f"training failed on {ranks}")
         # The ranks' own exit code where they agree on one of ours, as in one process. A rank
-        # that exits 1 (an unexpected error) is left out of the vote: when one rank stops on bad
-        # input, the others' collectives fail with it, and whether they exit before torchrun
-        # stops them is a race.
+        # that exits 1 (an unexpected error) is left out of the vote and named last: when one
+        # rank stops on bad input, the others' collectives fail with it, and whether they exit
+        # before torchrun stops them is a race.
+        failures = sorted(err.failures.items(), key=lambda item: item[1].exitcode == 1)
+        ranks = ", ".join(f"rank {r} (exit {f.exitcode})" for r, f in failures)
+        error(f"training failed on {ranks}")
         ours = {EXIT_USER_ERROR, EXIT_RECOMPILES, EXIT_NONFINITE}
         codes = {f.exitcode for f in err.failures.values()} - {1}
         return codes.pop() if len(codes) == 1 and codes <= ours else 1
