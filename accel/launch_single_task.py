@@ -119,6 +119,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--label_smoothing", type=float, default=0.1)
     p.add_argument("--workers", type=int, default=2, help="data loader workers per process")
     p.add_argument(
+        "--data_device",
+        choices=("auto", "cpu", "gpu"),
+        default="auto",
+        help="where training JPEGs are decoded and cropped: gpu (nvJPEG, in the training "
+        "process) or cpu (the loader workers); auto: gpu when training from a folder on a CUDA GPU",
+    )
+    p.add_argument(
         "--strict-data",
         dest="strict_data",
         action="store_true",
@@ -207,6 +214,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         label_smoothing=args.label_smoothing,
         mixup=mixup,
         strict=args.strict_data,
+        decode_on={"auto": "auto", "cpu": "workers", "gpu": "cuda"}[args.data_device],
     )
     optim = OptimConfig(
         lr=args.lr,
@@ -271,6 +279,36 @@ def _check_gpu_count(cfg: RunConfig) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if gpus and cfg.nproc_per_node > gpus:
         raise ConfigError(f"--nproc_per_node {cfg.nproc_per_node} exceeds the {gpus} visible GPUs")
+
+
+def resolve_decode_on(cfg: RunConfig) -> str | None:
+    """Settle where JPEGs are decoded (--data_device): on the GPU by default when training from
+    a folder on one, where a GPU decoder works. Returns a line to print when it falls back."""
+    data = cfg.data
+    if data.decode_on not in ("auto", "cuda"):
+        return None
+    import torch
+
+    if data.is_synthetic:
+        reason = "--data synthetic has no JPEGs to decode"
+    elif cfg.backend == "xla":
+        reason = "the xla backend does not train on a CUDA GPU"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA GPU is visible to torch"
+    else:
+        reason = None
+    if reason and data.decode_on == "cuda":
+        raise ConfigError(f"--data_device gpu: {reason}")
+    data.decode_on = "workers"
+    if reason:
+        return None
+    from data.device_decode import device_decoding_error
+
+    refused = device_decoding_error(torch.device("cuda"))
+    if refused:
+        return f"no GPU JPEG decoder ({refused}): JPEGs are decoded by the CPU workers"
+    data.decode_on = "cuda"
+    return None
 
 
 def resolve_run_name(cfg: RunConfig) -> str:
@@ -345,6 +383,9 @@ def run(argv: list[str]) -> int:
             flush=True,
         )
     module = validate(cfg)
+    note = resolve_decode_on(cfg)
+    if note and ctx.is_main:
+        print(f"accel: {note}", flush=True)
     cfg.run_name = resolve_run_name(cfg)
     if cfg.nproc_per_node > 1 and not launched_by_torchrun():
         if not hasattr(module, "launch_replicas"):

@@ -4,10 +4,13 @@ Real JPEGs written by accel-prepare (`--size` pixels square, noisy: slower to de
 typical photo), the training path (random-resized crop to `--image_size`, flip, mixup/cutmix at
 collate time). Per image in one process: open and decode at full size, decode at reduced scale
 (PIL's draft mode), the whole train transform with and without draft decoding. Then the real
-train loader with `--workers` worker processes, with and without draft decoding. Written to
+train loader with `--workers` worker processes, with and without draft decoding, and with
+decoding in the training process on each device of `--decode_on` (cuda: nvJPEG; cpu: the same
+path on the CPU), where the workers only read headers and bytes. Written to
 bench/results/<tag>.json with the device and versions.
 
-    python bench/loader.py --images 1024 --size 400 --workers 1,2
+    python bench/loader.py --images 1024 --size 400 --workers 1,2 --decode_on cpu
+    python bench/loader.py --images 4096 --size 400 --workers 2,8 --decode_on cuda  # on a GPU
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from PIL import Image  # noqa: E402
 
 from bench.compare_backends import write_result  # noqa: E402
 from data.collate import MixupConfig  # noqa: E402
+from data.device_decode import EncodedCrop  # noqa: E402
 from data.folder import ImageFolderDataset, train_transform  # noqa: E402
 from data.loaders import DataConfig, build_train_loader  # noqa: E402
 from data.prepare import prepare_mock_imagenet  # noqa: E402
@@ -51,15 +55,19 @@ def stages(root: Path, image_size: int, count: int) -> dict[str, float]:
             paths, train_transform(image_size, draft=False)
         ),
         "train_transform_draft_ms": per_image_ms(paths, train_transform(image_size, draft=True)),
+        "device_path_worker_ms": per_image_ms(paths, EncodedCrop(train_transform(image_size))),
     }
 
 
-def loader_images_per_sec(root: Path, args: argparse.Namespace, workers: int, draft: bool) -> float:
+def loader_images_per_sec(
+    root: Path, args: argparse.Namespace, workers: int, draft: bool, decode_on: str = "workers"
+) -> float:
     cfg = DataConfig(
         source=str(root),
         workers=workers,
         mixup=MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0),
         jpeg_draft=draft,
+        decode_on=decode_on,
     )
     loader = build_train_loader(cfg, args.image_size, args.batch_size, 0, 1, seed=0)
     loader.batch_sampler.set_epoch(0)
@@ -78,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image_size", type=int, default=224, help="crop side fed to the model")
     p.add_argument("--batch_size", type=int, default=64)
     p.add_argument("--workers", default="1,2", help="worker counts to measure")
+    p.add_argument(
+        "--decode_on", default="", help="devices to decode on in the training process: cpu, cuda"
+    )
     p.add_argument("--stage_images", type=int, default=200, help="images timed per stage")
     p.add_argument("--tag", default="", help="results file name (default: derived)")
     args = p.parse_args(argv)
@@ -101,11 +112,15 @@ def main(argv: list[str] | None = None) -> int:
                     f"workers {workers} draft {draft}: {ips:.0f} img/s ({ips / workers:.0f} "
                     "per worker)"
                 )
+            for device in filter(None, args.decode_on.split(",")):
+                ips = loader_images_per_sec(root, args, workers, False, device)
+                loaders.append({"workers": workers, "decode_on": device, "images_per_sec": ips})
+                print(f"workers {workers} decoding on {device}: {ips:.0f} img/s")
     for name, ms in per_image.items():
         print(f"{name}: {ms:.2f} ms/image ({1000 / ms:.0f} img/s)")
     record = {
         "settings": vars(args),
-        "note": "one run each; CPU decoding only (no GPU decoder measured here)",
+        "note": "one run each",
         "per_image": per_image,
         "loader": loaders,
     }

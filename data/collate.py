@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from timm.data.mixup import FastCollateMixup, mixup_target
+from timm.data.mixup import FastCollateMixup, cutmix_bbox_and_lam, mixup_target
 
 from data.sampling import SampleKey, key_seed
 
@@ -45,6 +45,28 @@ def seeded_numpy(seed: int):
         np.random.set_state(state)
 
 
+@dataclass(frozen=True)
+class MixPlan:
+    """One batch's mixup or cutmix, drawn before the images exist (decoding on the device):
+    image i is mixed with image B-1-i, as FastCollateMixup's batch mode does."""
+
+    lam: float
+    box: tuple[int, int, int, int] | None = None  # cutmix (y0, y1, x0, x1); None mixes pixels
+
+    def apply(self, images: torch.Tensor) -> torch.Tensor:
+        """Mix a uint8 NCHW batch with the arithmetic of FastCollateMixup (round, then uint8)."""
+        if self.lam == 1.0:
+            return images
+        flipped = images.flip(0)
+        if self.box is not None:
+            y0, y1, x0, x1 = self.box
+            mixed = images.clone()
+            mixed[..., y0:y1, x0:x1] = flipped[..., y0:y1, x0:x1]
+            return mixed
+        mixed = images.float() * self.lam + flipped.float() * (1 - self.lam)
+        return torch.round(mixed).to(torch.uint8)
+
+
 def _skipped(samples: list[Sample]) -> list[str]:
     return [path for s in samples for path in s[2]]
 
@@ -70,6 +92,29 @@ class TrainCollate:
     def mixup_active(self, epoch: int) -> bool:
         off = self.mixup_cfg.off_epoch
         return self.mixup is not None and (off <= 0 or epoch < off)
+
+    def mix_plan(self, key: SampleKey, image_shape: tuple[int, ...]) -> MixPlan | None:
+        """The mixup of the batch `key` belongs to, drawn from the same seeded numpy stream, in
+        the same order, as __call__ draws it: the same lam and box for the same batch."""
+        if not self.mixup_active(key.epoch):
+            return None
+        if self.mixup_cfg.mode != "batch":
+            raise ValueError(f"mixup mode {self.mixup_cfg.mode!r}: only 'batch' is drawn ahead")
+        mixup = self.mixup
+        with seeded_numpy(key_seed(self.seed, key.epoch, key.batch)):
+            # timm's own parameter draw (private, but the one FastCollateMixup calls).
+            lam, use_cutmix = mixup._params_per_batch()
+            box = None
+            if use_cutmix:
+                minmax, correct = mixup.cutmix_minmax, mixup.correct_lam
+                box, lam = cutmix_bbox_and_lam(
+                    image_shape, lam, ratio_minmax=minmax, correct_lam=correct
+                )
+        return MixPlan(float(lam), tuple(int(v) for v in box) if box else None)
+
+    def targets(self, labels: torch.Tensor, plan: MixPlan | None) -> torch.Tensor:
+        lam = 1.0 if plan is None else plan.lam
+        return mixup_target(labels, self.num_classes, lam, self.smoothing).float()
 
     def __call__(self, samples: list[Sample]) -> dict:
         key = samples[0][3]

@@ -62,10 +62,12 @@ class DecodeCrop:
             image = img.convert("RGB").resize(
                 (self.size, self.size), Image.Resampling.BILINEAR, box=crop, reducing_gap=None
             )
-        return self.finish(torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1))
+        image = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
+        return image.flip(-1) if self.draw_flip() else image
 
-    def finish(self, image: torch.Tensor) -> torch.Tensor:
-        return image
+    def draw_flip(self) -> bool:
+        """Whether to mirror the crop; drawn after the box."""
+        return False
 
 
 class RandomResizedCropDecode(DecodeCrop):
@@ -80,8 +82,8 @@ class RandomResizedCropDecode(DecodeCrop):
         top, left, h, w = v1.RandomResizedCrop.get_params(canvas, self.scale, self.ratio)
         return left, top, w, h
 
-    def finish(self, image: torch.Tensor) -> torch.Tensor:
-        return image.flip(-1) if torch.rand(1).item() < 0.5 else image
+    def draw_flip(self) -> bool:
+        return torch.rand(1).item() < 0.5
 
 
 class CenterCropDecode(DecodeCrop):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import multiprocessing
 from dataclasses import dataclass, field
 
@@ -9,6 +10,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from data.collate import MixupConfig, TrainCollate, eval_collate
+from data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
 from data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
 from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from data.synthetic import SyntheticImages
@@ -25,6 +27,9 @@ class DataConfig:
     strict: bool = False
     persistent_workers: bool = True
     jpeg_draft: bool = True  # decode JPEGs at reduced scale where the crop allows
+    # Where training JPEGs are decoded: "workers" (CPU, in the loader workers), or in the main
+    # process on the training device: "cuda" (nvJPEG) or "cpu" (the same path on the CPU).
+    decode_on: str = "workers"
 
     @property
     def is_synthetic(self) -> bool:
@@ -114,17 +119,39 @@ def build_train_loader(
     world_size: int,
     seed: int,
     pin_memory: bool = False,
-) -> DataLoader:
+) -> DataLoader | DeviceDecodedLoader:
     """Per-rank loader of fixed-size uint8 batches with soft targets; call
     `loader.batch_sampler.set_epoch(epoch, start_batch)` before each epoch. `pin_memory`:
-    batches in page-locked memory, for asynchronous copies to a CUDA device."""
+    batches in page-locked memory, for asynchronous copies to a CUDA device. With
+    `cfg.decode_on` a device, the batches come out decoded on that device."""
     dataset = build_dataset(cfg, "train", image_size, seed)
     num_classes = getattr(dataset, "num_classes", cfg.num_classes)
     if cfg.mixup.enabled and batch_size % 2:
         raise ValueError(f"mixup/cutmix need an even per-device batch size, got {batch_size}")
     sampler = ShardedBatchSampler(len(dataset), batch_size, rank, world_size, seed)
     collate = TrainCollate(num_classes, cfg.label_smoothing, cfg.mixup, seed)
-    return _loader(dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers, pin_memory)
+    if cfg.decode_on == "workers" or cfg.is_synthetic:
+        return _loader(
+            dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers, pin_memory
+        )
+    return _device_decoded(dataset, sampler, collate, cfg, image_size, seed)
+
+
+def _device_decoded(
+    dataset: ImageFolderDataset,
+    sampler: ShardedBatchSampler,
+    collate: TrainCollate,
+    cfg: DataConfig,
+    image_size: int,
+    seed: int,
+) -> DeviceDecodedLoader:
+    cpu_path = copy.copy(dataset)  # the same files and classes, decoded on the CPU
+    dataset.transform = EncodedCrop(cpu_path.transform)
+    encoded = EncodedCollate(collate, image_size)
+    loader = _loader(dataset, sampler, encoded, seed, cfg.workers, cfg.persistent_workers)
+    device = torch.device(cfg.decode_on)
+    decoder = DeviceDecoder(device, image_size, collate, KeyedDataset(cpu_path, seed))
+    return DeviceDecodedLoader(loader, decoder)
 
 
 def build_eval_loader(

@@ -166,10 +166,13 @@ class EagerBackend:
         total = torch.zeros((), device=self.device)
         for i, (images, targets) in enumerate(micro_batches):
             with self.accumulation_context(i == len(micro_batches) - 1), self.autocast():
-                loss = soft_target_loss(self.model(images), targets) / len(micro_batches)
+                loss = self.forward_loss(images, targets) / len(micro_batches)
             self.scaler.scale(loss).backward()
             total += loss.detach()
         return total
+
+    def forward_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return soft_target_loss(self.model(images), targets)
 
     def reduce_gradients(self) -> None:
         """DDP has already averaged them during backward."""

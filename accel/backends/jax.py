@@ -227,6 +227,12 @@ class CompileMonitor:
 
 
 # --- input pipeline ---------------------------------------------------------------------------
+def from_torch(tensor: torch.Tensor) -> np.ndarray | jax.Array:
+    """A batch tensor for device_put: decoded on a CUDA GPU, it crosses by DLPack, without a
+    round trip through the host."""
+    return jax.dlpack.from_dlpack(tensor) if tensor.is_cuda else tensor.numpy()
+
+
 class DevicePrefetcher:
     """Puts host batches on the devices, sharded along the batch, `depth` batches ahead in a
     background thread: the MpDeviceLoader of this backend (JAX itself ships no data loader)."""
@@ -378,7 +384,7 @@ class JaxBackend:
         return iter(DevicePrefetcher(batches, self._put, self.cfg.device_prefetch))
 
     def _put(self, batch: Batch) -> tuple:
-        arrays = (batch[0].numpy(), batch[1].numpy())
+        arrays = tuple(from_torch(t) for t in batch)
         if jax.process_count() > 1:
             return tuple(
                 jax.make_array_from_process_local_data(self.batch_sharding, a) for a in arrays

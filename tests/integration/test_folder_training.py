@@ -2,9 +2,14 @@
 
 import re
 
+import numpy as np
 import pytest
+import torch
 
-from tests.helpers import read_summary, run_cli
+from accel.distributed import DistContext
+from accel.train import Trainer
+from data.collate import MixupConfig
+from tests.helpers import micro_config, read_summary, run_cli
 from tests.unit.test_folder import dirty_mock_imagenet
 
 
@@ -66,3 +71,29 @@ def test_a_class_with_no_images_in_either_split_is_kept_and_trained(tmp_path):
     kept = [line for line in re.split(r"[\r\n]", result.stderr) if "kept as classes" in line]
     assert len(kept) == 2  # once per split
     assert all(line.startswith("warning:") and line.endswith(": a_empty") for line in kept)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine with no GPU")
+def test_data_device_gpu_without_a_gpu_is_one_line_exit_2(tmp_path, dirty_imagenet):
+    result = _train(dirty_imagenet, tmp_path, "--data_device", "gpu")
+    assert result.returncode == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert lines == [
+        "launch_single_task: error: --data_device gpu: no CUDA GPU is visible to torch"
+    ]
+
+
+@pytest.mark.slow
+def test_device_decoding_trains_eager_and_jax_on_the_same_batches(tmp_path, dirty_imagenet):
+    """Decoding in the training process (the GPU path, on the CPU device here): bad files are
+    skipped and counted, and jax trains on exactly what eager trains on (losses as in the AMP
+    matrix's O0 parity)."""
+    runs = {}
+    for backend in ("eager", "jax"):
+        cfg = micro_config(tmp_path / backend, backend=backend, source=str(dirty_imagenet))
+        cfg.data.decode_on, cfg.batch_size, cfg.steps = "cpu", 4, 6
+        cfg.data.mixup = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
+        runs[backend] = Trainer(cfg, DistContext()).train()
+    for summary in runs.values():
+        assert summary["skipped_images"] == 3 and summary["steps"] == 6
+    np.testing.assert_allclose(runs["jax"]["losses"], runs["eager"]["losses"], rtol=1e-3)

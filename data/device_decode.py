@@ -1,0 +1,156 @@
+"""JPEG decoding on the training device, for GPUs that CPU workers cannot keep fed.
+
+Workers read each file's header and bytes and draw its crop and flip from the sample's key, as
+the CPU path draws them. The main process then decodes the whole batch at once on the device
+(torchvision's `decode_jpeg`, nvJPEG on a CUDA GPU), crops, resizes, flips and mixes there.
+What the CPU path promises still holds: the same soft targets for the same batch, randomness keyed
+per sample, unreadable files skipped and counted (or --strict-data), odd colour modes converted.
+Files nvJPEG does not take (not JPEG, CMYK, ...) are decoded by the workers on the CPU, and a file
+the device decoder refuses is decoded again on the CPU path, which skips it if it is unreadable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader
+from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
+from torchvision.transforms.v2 import functional as tvf
+
+from data.collate import Sample, TrainCollate
+from data.folder import DecodeCrop
+
+# Colour modes nvJPEG decodes to RGB; other JPEGs (CMYK, YCCK) are decoded by the workers.
+DEVICE_MODES = ("RGB", "L")
+
+
+def device_decoding_error(device: torch.device) -> str | None:
+    """Why JPEGs cannot be decoded on `device` (one line), or None: decodes a small one there."""
+    sample = encode_jpeg(torch.full((3, 16, 16), 128, dtype=torch.uint8))
+    try:
+        decode_jpeg(sample, mode=ImageReadMode.RGB, device=device)
+    except (RuntimeError, OSError) as err:  # no nvJPEG in this build, or it failed to start
+        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return None
+
+
+@dataclass
+class EncodedJpeg:
+    """A JPEG file's bytes and the crop to take from it once decoded."""
+
+    # The whole file. A numpy array, not a tensor: workers pass it pickled by value; a tensor
+    # per file would each take a shared-memory file descriptor on its way to the main process.
+    data: np.ndarray
+    box: tuple[int, int, int, int]  # left, top, width, height in full-size pixels
+    flip: bool
+
+
+class EncodedCrop:
+    """Worker-side transform: path in, EncodedJpeg out, or a decoded crop from `cpu` for files the
+    device decoder cannot take. Draws the box and the flip in the order `cpu` draws them, so a
+    file decoded on either path gets the same crop."""
+
+    def __init__(self, cpu: DecodeCrop):
+        self.cpu = cpu
+
+    def __call__(self, path: str) -> EncodedJpeg | torch.Tensor:
+        with Image.open(path) as img:  # reads the header only; not an image: raises here
+            on_device = img.format == "JPEG" and img.mode in DEVICE_MODES
+            size = img.size
+        if not on_device:
+            return self.cpu(path)
+        box = self.cpu.box(*size)
+        return EncodedJpeg(np.fromfile(path, dtype=np.uint8), box, self.cpu.draw_flip())
+
+
+class EncodedCollate:
+    """Batches of EncodedJpeg (or CPU crops) with labels, keys and the batch's mixup plan; the
+    targets are made after decoding, since a file that fails there is replaced by another."""
+
+    def __init__(self, collate: TrainCollate, image_size: int):
+        self.collate = collate
+        self.image_size = image_size
+
+    def __call__(self, samples: list[Sample]) -> dict:
+        shape = (len(samples), 3, self.image_size, self.image_size)
+        return {
+            "encoded": [s[0] for s in samples],
+            "labels": torch.tensor([s[1] for s in samples], dtype=torch.int64),
+            "keys": [s[3] for s in samples],
+            "mix": self.collate.mix_plan(samples[0][3], shape),
+            "skipped": [path for s in samples for path in s[2]],
+        }
+
+
+class DeviceDecoder:
+    """Turns EncodedCollate batches into the loader's ordinary batches (uint8 images, soft
+    targets), decoded on `device`. `fallback(key)` is the CPU path's sample for a key: the
+    keyed dataset with CPU decoding, which skips unreadable files or stops on them."""
+
+    def __init__(self, device: torch.device, size: int, collate: TrainCollate, fallback):
+        self.device = device
+        self.size = size
+        self.collate = collate
+        self.fallback = fallback
+
+    def __call__(self, batch: dict) -> dict:
+        items, labels = batch["encoded"], batch["labels"].clone()
+        skipped = list(batch["skipped"])
+        jpegs = [i for i, item in enumerate(items) if isinstance(item, EncodedJpeg)]
+        datas = [torch.from_numpy(items[i].data) for i in jpegs]
+        decoded = dict(zip(jpegs, self.decode(datas), strict=True))
+        crops = []
+        for i, item in enumerate(items):
+            image = decoded.get(i)
+            if isinstance(item, EncodedJpeg) and image is not None:
+                crops.append(self.crop(image, item))
+                continue
+            if isinstance(item, EncodedJpeg):  # refused here: the CPU path decides
+                item, labels[i], more, _ = self.fallback[batch["keys"][i]]
+                skipped.extend(more)
+            crops.append(item.to(self.device))
+        images = torch.stack(crops)
+        plan = batch["mix"]
+        if plan is not None:
+            images = plan.apply(images)
+        targets = self.collate.targets(labels, plan)
+        return {"images": images, "targets": targets, "skipped": skipped}
+
+    def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """Decoded RGB images, None for each file the decoder refused (the batch call fails as a
+        whole: then each file is tried alone)."""
+        if not datas:
+            return []
+        try:
+            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
+        except RuntimeError:
+            pass
+        images: list[torch.Tensor | None] = []
+        for data in datas:
+            try:
+                images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
+            except RuntimeError:
+                images.append(None)
+        return images
+
+    def crop(self, image: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
+        left, top, width, height = item.box
+        size = [self.size, self.size]
+        crop = tvf.resized_crop(image, top, left, height, width, size, antialias=True)
+        return crop.flip(-1) if item.flip else crop
+
+
+class DeviceDecodedLoader:
+    """A training loader whose batches are decoded on the device as they are taken."""
+
+    def __init__(self, loader: DataLoader, decoder: DeviceDecoder):
+        self.loader = loader
+        self.decoder = decoder
+        self.batch_sampler = loader.batch_sampler
+
+    def __iter__(self) -> Iterator[dict]:
+        return map(self.decoder, self.loader)

@@ -1,0 +1,114 @@
+"""JPEG decoding on the training device (--data_device gpu), run here on the CPU device: the same
+code path as on a GPU but for torchvision's decoder (libjpeg-turbo instead of nvJPEG)."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from accel.config import ConfigError
+from accel.launch_single_task import resolve_decode_on
+from data.collate import MixupConfig, TrainCollate
+from data.device_decode import DeviceDecodedLoader, device_decoding_error
+from data.folder import BadImageError
+from data.loaders import DataConfig, build_train_loader
+from data.sampling import SampleKey
+from tests.helpers import micro_config
+from tests.unit.test_folder import dirty_mock_imagenet
+
+MIX = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
+
+
+@pytest.fixture(scope="module")
+def dirty_imagenet(tmp_path_factory) -> Path:
+    return dirty_mock_imagenet(tmp_path_factory.mktemp("decode"), val_per_class=2)
+
+
+def _epoch(root: Path, decode_on: str, workers: int = 0, start_batch: int = 0, **data) -> list:
+    cfg = DataConfig(source=str(root), workers=workers, decode_on=decode_on, **data)
+    loader = build_train_loader(cfg, 32, 4, rank=0, world_size=1, seed=3)
+    loader.batch_sampler.set_epoch(1, start_batch)
+    return list(loader)
+
+
+def test_device_path_gives_the_cpu_paths_crops_targets_and_skips(dirty_imagenet):
+    workers = _epoch(dirty_imagenet, "workers", mixup=MIX, jpeg_draft=False)
+    device = _epoch(dirty_imagenet, "cpu", mixup=MIX)
+    assert len(device) == len(workers) == 6
+    for cpu, dev in zip(workers, device, strict=True):
+        assert dev["images"].dtype == torch.uint8 and dev["images"].shape == (4, 3, 32, 32)
+        assert dev["targets"].dtype == torch.float32 and dev["targets"].shape == (4, 3)
+        assert torch.equal(dev["targets"], cpu["targets"])  # the same mixup, the same labels
+        assert dev["skipped"] == cpu["skipped"]
+        # Two decoders and two resamplers of the same crop: close, not equal.
+        diff = (dev["images"].float() - cpu["images"].float()).abs().mean()
+        assert diff < 2.0, diff
+    skipped = {Path(p).name for batch in device for p in batch["skipped"]}
+    assert skipped == {"truncated.jpg", "empty.jpg", "notes.png"}  # the truncated one: on device
+
+
+def test_device_path_is_the_same_with_workers_and_after_a_resume(dirty_imagenet):
+    reference = _epoch(dirty_imagenet, "cpu", mixup=MIX)
+    with_workers = _epoch(dirty_imagenet, "cpu", workers=2, mixup=MIX)
+    resumed = _epoch(dirty_imagenet, "cpu", start_batch=3, mixup=MIX)
+    assert len(resumed) == 3
+    pairs = [*zip(with_workers, reference, strict=True), *zip(resumed, reference[3:], strict=True)]
+    for got, want in pairs:
+        assert torch.equal(got["images"], want["images"])
+        assert torch.equal(got["targets"], want["targets"])
+
+
+def test_mix_plan_mixes_like_timms_fast_collate_mixup():
+    """Mixup drawn ahead and applied to decoded images equals FastCollateMixup on the host."""
+    collate = TrainCollate(5, 0.1, MIX, seed=7)
+    rng = np.random.default_rng(0)
+    kinds = set()
+    for batch in range(8):
+        images = rng.integers(0, 256, (6, 3, 16, 16), dtype=np.uint8)
+        keys = [SampleKey(i, 0, batch) for i in range(6)]
+        samples = [(torch.from_numpy(images[i]), i % 5, (), keys[i]) for i in range(6)]
+        host = collate(samples)
+        plan = collate.mix_plan(keys[0], (6, 3, 16, 16))
+        kinds.add(plan.box is not None)
+        assert torch.equal(plan.apply(torch.from_numpy(images)), host["images"])
+        labels = torch.tensor([s[1] for s in samples])
+        assert torch.equal(collate.targets(labels, plan), host["targets"])
+    assert kinds == {True, False}  # both cutmix and mixup batches were drawn
+
+
+def test_strict_data_stops_at_a_file_only_the_device_decoder_finds_broken(dirty_imagenet):
+    cfg = DataConfig(source=str(dirty_imagenet), workers=0, decode_on="cpu", strict=True)
+    loader = build_train_loader(cfg, 32, 4, rank=0, world_size=1, seed=3)
+    assert isinstance(loader, DeviceDecodedLoader)
+    loader.batch_sampler.set_epoch(1)
+    with pytest.raises(BadImageError, match=r"(truncated|empty)\.jpg|notes\.png"):
+        list(loader)
+
+
+def test_no_gpu_decoder_is_found_on_a_cpu_build_and_the_run_falls_back(monkeypatch, tmp_path):
+    assert device_decoding_error(torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        assert device_decoding_error(torch.device("cuda"))  # one line: why not
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if a GPU were seen
+        cfg = micro_config(tmp_path, source=str(tmp_path))
+        cfg.data.decode_on = "auto"
+        note = resolve_decode_on(cfg)
+        assert "no GPU JPEG decoder" in note and "CPU workers" in note
+        assert cfg.data.decode_on == "workers"
+
+
+@pytest.mark.parametrize(
+    ("source", "backend", "reason"),
+    [
+        ("synthetic", "eager", "no JPEGs to decode"),
+        ("folder", "xla", "xla backend"),
+    ],
+)
+def test_data_device_gpu_where_it_cannot_work_is_refused(tmp_path, source, backend, reason):
+    cfg = micro_config(tmp_path, backend=backend, source=source)
+    cfg.data.decode_on = "cuda"
+    with pytest.raises(ConfigError, match=f"--data_device gpu: .*{reason}"):
+        resolve_decode_on(cfg)
+    cfg.data.decode_on = "auto"
+    assert resolve_decode_on(cfg) is None and cfg.data.decode_on == "workers"
