@@ -1,17 +1,25 @@
-"""Atomic checkpoints: write to a temporary file, flush and fsync, then rename; keep the last K."""
+"""Atomic checkpoints: write to a temporary file, flush and fsync, then rename; keep the last K.
+
+An unsharded run writes one file, `step_N.pt`. A sharded run writes a folder, `step_N.dcp`,
+through torch.distributed.checkpoint: each rank its own shards, rank 0 the rest of the state
+(`meta.pt`); the folder takes its final name once every rank has written.
+"""
 
 from __future__ import annotations
 
 import os
 import random
 import re
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-PATTERN = re.compile(r"^step_(\d+)\.pt$")
+PATTERN = re.compile(r"^step_(\d+)\.(pt|dcp)$")
+META = "meta.pt"
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -33,19 +41,70 @@ def set_host_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+def _write(path: Path, state: dict[str, Any]) -> None:
+    with open(path, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _prune(run_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
 def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
     folder = checkpoint_dir(run_dir)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / f"step_{step:08d}.pt"
     tmp = folder / f".{final.name}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    _write(tmp, state)
     os.replace(tmp, final)
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        old.unlink(missing_ok=True)
+    _prune(run_dir, keep)
     return final
+
+
+def save_sharded(
+    run_dir: Path, step: int, tensors: dict[str, Any], meta: dict[str, Any], keep: int = 3
+) -> Path:
+    """Called on every rank: each writes its shards of `tensors`; rank 0 writes `meta`."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    final = checkpoint_dir(run_dir) / f"step_{step:08d}.dcp"
+    tmp = final.with_name(f".{final.name}.tmp")
+    main = dist.get_rank() == 0
+    if main:  # what a crash left behind
+        shutil.rmtree(tmp, ignore_errors=True)
+    dist.barrier()
+    with warnings.catch_warnings():  # raised inside torch's writer, nothing to act on here
+        warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
+        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp))  # fsyncs; ends in a barrier
+    if main:
+        _write(tmp / META, meta)
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        _prune(run_dir, keep)
+    dist.barrier()
+    return final
+
+
+def is_sharded(path: Path) -> bool:
+    return Path(path).is_dir()
+
+
+def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """Fill `template` (tensors sharded as this run shards them, or whole) from a sharded
+    checkpoint written at any world size; works without a process group too."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # one process, no process group: DCP says it loads whole
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(template, storage_reader=dcp.FileSystemReader(path))
+    return template
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -90,5 +149,8 @@ def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[st
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
+    """The whole state of a `.pt` checkpoint; of a sharded one, all but the tensors."""
+    if is_sharded(path):
+        path = Path(path) / META
     # Our own files: they hold RNG states and numpy arrays, which weights_only refuses.
     return torch.load(path, map_location="cpu", weights_only=False)

@@ -14,6 +14,7 @@ from models.factory import ModelConfig
 BACKENDS = ("eager", "compile", "xla", "jax")
 AMP_LEVELS = ("O0", "O1", "O2", "O3")
 NAN_POLICIES = ("skip", "stop")
+SHARD_MODES = ("none", "full", "grad_op")
 
 
 class ConfigError(ValueError):
@@ -44,6 +45,7 @@ class RunConfig:
     amp_dtype: str = "bfloat16"
     kernel_opt: bool = False
     remat: bool = False  # recompute activations in the backward (less memory, more compute)
+    shard: str = "none"  # split weights, gradients and optimizer state over the replicas
     seed: int = 0
     output: str = "runs"
     run_name: str = ""

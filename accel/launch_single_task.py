@@ -25,6 +25,7 @@ from accel.config import (  # noqa: E402
     AMP_LEVELS,
     BACKENDS,
     NAN_POLICIES,
+    SHARD_MODES,
     ConfigError,
     OptimConfig,
     RunConfig,
@@ -112,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="activation checkpointing where memory is short: eager/compile: timm's per-block "
         "gradient checkpointing; jax: jax.checkpoint saving only the layers' matmul outputs",
+    )
+    p.add_argument(
+        "--shard",
+        choices=SHARD_MODES,
+        default="none",
+        help="split weights, gradients and optimizer state over the data-parallel replicas: "
+        "full (FSDP2 per block on eager/compile; sharded arrays on jax), grad_op (weights kept "
+        "gathered through the step: ZeRO-2's traffic), none (replicas)",
     )
     p.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (0 = off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (0 = off)")
@@ -235,6 +244,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         amp_dtype=args.amp_dtype,
         kernel_opt=args.kernel_opt,
         remat=args.remat,
+        shard=args.shard,
         seed=args.seed,
         output=args.output,
         run_name=args.run_name,

@@ -162,19 +162,48 @@ class Trainer:
         return self.host_batch * self.ctx.world_size * self.cfg.optim.grad_accum
 
     # --- checkpoints --------------------------------------------------------------------------
+    @property
+    def writes_shards(self) -> bool:
+        """FSDP runs save through torch.distributed.checkpoint, each rank its own shards; jax
+        gathers its sharded arrays into the usual single file."""
+        sharded = getattr(self.backend, "shard", "none") != "none"
+        return sharded and hasattr(self.backend, "dcp_state_dict")
+
     def resume(self) -> None:
         path = self._resume_path()
         if path is None:
             return
         saved = ckpt.load_checkpoint(path)
         mismatches = ckpt.resume_mismatches(saved["config"], self._resume_identity())
+        sharded = ckpt.is_sharded(path)
+        if sharded:  # resharded on load: another world size gives another data order only
+            self._warn_other_world_size(mismatches)
+            mismatches = [m for m in mismatches if not m.startswith("world_size")]
         if mismatches:
             raise ConfigError(f"cannot resume from {path}: {'; '.join(mismatches)}")
-        self.backend.load_state_dict(saved["backend"])
+        if sharded:
+            self._load_sharded(path)
+        else:
+            self.backend.load_state_dict(saved["backend"])
         self.state = LoopState(**saved["loop"])
         self.tracker = SkipTracker(self.state, self.logger)
         self._load_rng_states(saved["rng"])
         self.logger.info(f"resumed from {path} at step {self.state.step}")
+
+    def _warn_other_world_size(self, mismatches: list[str]) -> None:
+        for m in mismatches:
+            if m.startswith("world_size"):
+                warnings.warn(
+                    f"resuming a sharded checkpoint at another {m}: the weights and optimizer "
+                    "state load resharded; the data order differs from the saved run's",
+                    stacklevel=3,
+                )
+
+    def _load_sharded(self, path) -> None:
+        if not hasattr(self.backend, "load_dcp_state_dict"):
+            raise ConfigError(f"{path} is a sharded checkpoint: resume it on eager or compile")
+        template = self.backend.dcp_state_dict()
+        self.backend.load_dcp_state_dict(ckpt.load_sharded(path, template))
 
     def _resume_identity(self) -> dict[str, Any]:
         return {
@@ -194,16 +223,19 @@ class Trainer:
 
     def save(self) -> None:
         self.flush()
-        state = {
-            "backend": self.backend.state_dict(),
+        meta = {
             "loop": dataclasses.asdict(self.state),
             "rng": self._rng_states(),
             "config": self._resume_identity(),
         }
+        run_dir, step, keep = self.cfg.run_dir(), self.state.step, self.cfg.keep_checkpoints
+        if self.writes_shards:
+            tensors = self.backend.dcp_state_dict()
+            path = ckpt.save_sharded(run_dir, step, tensors, meta, keep)
+        elif self.ctx.is_main:
+            state = {"backend": self.backend.state_dict(), **meta}
+            path = ckpt.save_checkpoint(run_dir, step, state, keep)
         if self.ctx.is_main:
-            path = ckpt.save_checkpoint(
-                self.cfg.run_dir(), self.state.step, state, self.cfg.keep_checkpoints
-            )
             self.logger.info(f"checkpoint {path}")
 
     def _rng_states(self) -> list[dict[str, Any]]:

@@ -16,3 +16,24 @@ sys.path.insert(0, str(ROOT))
 import torch_xla  # noqa: E402
 
 torch_xla.device()
+
+import pytest  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from data.prepare import prepare_mock_imagenet  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def one_white_image(tmp_path_factory):
+    """Real JPEGs, one of them all white: the NaN-on-white model's batch with it is non-finite."""
+    root = prepare_mock_imagenet(
+        tmp_path_factory.mktemp("white") / "imagenet",
+        classes=2,
+        per_class=8,  # 16 images, batch 4: every image is in exactly one step per epoch
+        val_per_class=1,
+        size=40,
+        progress=False,
+    )
+    target = next((root / "train").glob("*/*.JPEG"))
+    Image.new("RGB", (40, 40), (255, 255, 255)).save(target, quality=100)
+    return root

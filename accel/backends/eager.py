@@ -20,9 +20,10 @@ from torch.utils._pytree import tree_map
 
 from accel.amp import AmpPolicy, amp_policy
 from accel.backends.base import Batch, StepResult
-from accel.config import RunConfig
+from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
+from accel.parallel import effective_shard, fsdp
 from models.factory import ImageClassifier
 
 KERNEL_OPTS = "nothing more: AdamW is always the fused one, which skips non-finite steps itself"
@@ -82,6 +83,13 @@ class EagerBackend:
         self.ctx = ctx
         self.amp: AmpPolicy = amp_policy(cfg.amp_level, cfg.amp_dtype)
         self.device = self.default_device()
+        self.shard = effective_shard(cfg.shard, ctx.world_size)
+        if self.shard != "none" and self.amp.loss_scaling:
+            raise ConfigError("--shard trains in bfloat16 or fp32 (--amp_dtype bfloat16)")
+        # O2 keeps fp32 master weights beside the low-precision model; sharded, the fp32 shards
+        # are the masters and FSDP gathers them in low precision.
+        self.separate_masters = self.amp.master_weights and self.shard == "none"
+        self.state_bytes: dict[str, int] = {}
         self.scaler = torch.amp.GradScaler(
             "cuda", enabled=self.amp.loss_scaling and self.device.type == "cuda"
         )
@@ -97,21 +105,25 @@ class EagerBackend:
     def setup(self, model: ImageClassifier) -> None:
         if self.cfg.remat:
             model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
-        self.module = model.to(self.device, dtype=self.amp.param_dtype)
-        self.params = [p for p in self.module.parameters() if p.requires_grad]
+        dtype = torch.float32 if self.amp.master_weights and not self.separate_masters else None
+        self.module = model.to(self.device, dtype=dtype or self.amp.param_dtype)
         self.model = self.wrap_model(self.module)
+        self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self.make_optimizer(
             weight_decay_groups(self.module, self.cfg.optim.weight_decay)
         )
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
+        if self.shard != "none":
+            fsdp.shard_model(module, fsdp.transformer_blocks(module.model), self.shard, self.amp)
+            return module
         if not self.ctx.distributed:
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
         return DistributedDataParallel(module, device_ids=ids)
 
     def make_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
-        if self.amp.master_weights:
+        if self.separate_masters:
             self.master = {p: p.detach().float().clone().requires_grad_() for p in self.params}
             groups = [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups]
         return self.adamw(groups)
@@ -144,7 +156,11 @@ class EagerBackend:
         return torch.autocast(self.device.type, dtype=self.amp.dtype)
 
     def accumulation_context(self, last: bool):
-        """DDP: no gradient all-reduce on the non-final micro-steps of an accumulation."""
+        """DDP: no gradient all-reduce on the non-final micro-steps of an accumulation; FSDP:
+        no reduce-scatter (read in the backward, so set, not scoped)."""
+        if self.shard != "none":
+            self.module.set_requires_gradient_sync(last)
+            return contextlib.nullcontext()
         if self.ctx.distributed and not last:
             return self.model.no_sync()
         return contextlib.nullcontext()
@@ -189,7 +205,7 @@ class EagerBackend:
     def apply_update(self, lr: float, loss: torch.Tensor) -> torch.Tensor:
         """Clip and step, unless the loss or the gradients are not finite; returns whether the
         update was applied (a device bool: every rank computes the same one)."""
-        if self.amp.master_weights:
+        if self.separate_masters:
             for p, m in self.master.items():
                 m.grad = None if p.grad is None else p.grad.float()
         for group in self.optimizer.param_groups:
@@ -200,7 +216,9 @@ class EagerBackend:
         if not self.scaler.is_enabled():  # the loss scaler skips steps with inf gradients itself
             finite &= torch.isfinite(norm)
         self.guarded_step(finite)
-        if self.amp.master_weights:
+        if not self.state_bytes:  # once, after the optimizer made its state
+            self.state_bytes = self.measure_state_bytes()
+        if self.separate_masters:
             with torch.no_grad():
                 for p, m in self.master.items():
                     p.copy_(m)
@@ -212,8 +230,21 @@ class EagerBackend:
         """The total gradient norm, clipping the gradients to --clip_grad where it is set."""
         params = self.optimizer_params
         if self.cfg.optim.clip_grad > 0:
-            return torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
-        return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+        return fsdp.full_value(norm)  # sharded: the global norm, reduced over the shards
+
+    def measure_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of weights, gradients and optimizer state (its shards when
+        sharded), read off the tensors while the gradients exist."""
+        held = self.params + (list(self.master.values()) if self.separate_masters else [])
+        grads = [t.grad for t in held if t.grad is not None]
+        return {
+            "params": fsdp.local_bytes(held),
+            "grads": fsdp.local_bytes(grads),
+            "optimizer": fsdp.optimizer_bytes(self.optimizer),
+        }
 
     def guarded_step(self, finite: torch.Tensor) -> None:
         """No host sync: fused AdamW leaves the weights, moments and step count as they were
@@ -264,7 +295,7 @@ class EagerBackend:
             k: v.detach().cpu().float() if v.is_floating_point() else v.cpu()
             for k, v in self.module.state_dict().items()
         }
-        if self.amp.master_weights:  # the fp32 master copy is the true value of the weights
+        if self.separate_masters:  # the fp32 master copy is the true value of the weights
             names = {p: n for n, p in self.module.named_parameters()}
             model.update({names[p]: m.detach().cpu() for p, m in self.master.items()})
         return {
@@ -275,13 +306,25 @@ class EagerBackend:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.module.load_state_dict(state["model"])
-        if self.amp.master_weights:
+        if self.separate_masters:
             with torch.no_grad():
                 for name, p in self.module.named_parameters():
                     self.master[p].copy_(state["model"][name])
         self.optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler"):
             self.scaler.load_state_dict(state["scaler"])
+
+    def dcp_state_dict(self) -> dict[str, Any]:
+        """Model and optimizer state by parameter name, as torch.distributed.checkpoint saves
+        and loads it: sharded like the model, or whole for an unsharded one."""
+        if self.separate_masters:
+            raise ConfigError(
+                "sharded checkpoints load into --amp_level O0, O1 or O3 runs, or O2 with --shard"
+            )
+        return fsdp.dcp_state(self.module, self.optimizer)
+
+    def load_dcp_state_dict(self, state: dict[str, Any]) -> None:
+        fsdp.load_dcp_state(self.module, self.optimizer, state)
 
     def rng_state(self) -> dict[str, Any]:
         if self.device.type != "cuda":
@@ -300,7 +343,12 @@ class EagerBackend:
         """Eager compiles nothing."""
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"compiles_after_warmup": 0, "fallback_ops": {}}
+        out: dict[str, Any] = {
+            "compiles_after_warmup": 0,
+            "fallback_ops": {},
+            "shard": self.shard,
+            "state_bytes": self.state_bytes,
+        }
         if self.device.type == "cuda":
             out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
         return out

@@ -14,6 +14,7 @@ jax.distributed.initialize(), the mesh spans every host's devices and each proce
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import queue
 import threading
@@ -29,6 +30,7 @@ from accel.backends.base import BackendUnavailable, Batch, StepResult
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.optim import decay_mask, weight_decay_groups
+from accel.parallel import effective_shard
 from models.factory import ImageClassifier
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
@@ -233,6 +235,12 @@ def from_torch(tensor: torch.Tensor) -> np.ndarray | jax.Array:
     return jax.dlpack.from_dlpack(tensor) if tensor.is_cuda else tensor.numpy()
 
 
+def device_bytes(tree: Any) -> int:
+    """Bytes one device holds of a pytree of arrays (its shards of split ones); the gradients
+    live only inside the compiled step."""
+    return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
+
+
 class DevicePrefetcher:
     """Puts host batches on the devices, sharded along the batch, `depth` batches ahead in a
     background thread: the MpDeviceLoader of this backend (JAX itself ships no data loader)."""
@@ -282,6 +290,9 @@ class JaxBackend:
             )
         self.mesh = Mesh(np.array(devices[: self.local_replicas * jax.process_count()]), ("data",))
         self.replicated = NamedSharding(self.mesh, P())
+        self.shard = effective_shard(cfg.shard, self.mesh.size)
+        if self.shard != "none" and jax.process_count() > 1:
+            raise ConfigError("--shard on jax shards over one process's devices, not across hosts")
         self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
         self.base_key = jax.random.key(cfg.seed)
@@ -299,17 +310,34 @@ class JaxBackend:
         store = self.precision.store
         params = {n: to_jax(p, store) for n, p in model.named_parameters() if p.requires_grad}
         buffers = {n: to_jax(b, store) for n, b in model.named_buffers()}
-        self.params = jax.device_put(params, self.replicated)
-        self.buffers = jax.device_put(buffers, self.replicated)
         self.optimizer = optax_adamw(self.cfg, decay_mask(model))
+        self.param_shardings = self.shardings(params, self.shard == "full")
+        self.opt_shardings = self.shardings(
+            jax.eval_shape(self.optimizer.init, params), self.shard != "none"
+        )
+        self.params = jax.device_put(params, self.param_shardings)
+        self.buffers = jax.device_put(buffers, self.replicated)
         # One compiled program for the whole state: op by op, every distinct shape's zeros would
         # compile a kernel of its own.
-        init = jax.jit(self.optimizer.init, out_shardings=self.replicated)
+        init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         self.opt_state = init(self.params)
         self.forward = interop.jax_view(self._torch_forward)
         self.step_fn = self._jit_step()
         self.eval_fn = jax.jit(self._eval_sums)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
+
+    def shardings(self, tree: Any, split: bool) -> Any:
+        """Per leaf: split along its first axis over the `data` mesh axis where `split` and that
+        axis divides evenly, else a full copy on each device. XLA then gathers the weights for
+        the step and reduce-scatters the gradients onto the shards."""
+        n = self.mesh.size
+
+        def sharding(leaf) -> NamedSharding:
+            if split and leaf.ndim and leaf.shape[0] % n == 0:
+                return NamedSharding(self.mesh, P("data"))
+            return self.replicated
+
+        return jax.tree.map(sharding, tree)
 
     def _torch_forward(self, params: dict, buffers: dict, images: torch.Tensor) -> torch.Tensor:
         return torch.func.functional_call(self.module, {**params, **buffers}, (images,))
@@ -330,11 +358,12 @@ class JaxBackend:
         logp = jax.nn.log_softmax(self.logits(params, buffers, images, key), axis=-1)
         return -(targets * logp).sum(-1).mean()
 
-    def _local_step(self, params, opt_state, buffers, images, targets, lr):
-        """One optimizer step on this device's shard; `images` is [micro-steps, batch, ...]."""
+    def _local_grads(self, params, buffers, images, targets, count):
+        """Mean loss and gradient of the global batch, from this device's part of it (`images`
+        is [micro-steps, batch, ...]); every device ends with both."""
         # Random draws differ per step, device and micro-step, and follow from the seed and the
         # optimizer's step count alone: a resumed run draws the same ones, with no state to save.
-        key = jax.random.fold_in(self.base_key, adam_state(opt_state).count)
+        key = jax.random.fold_in(self.base_key, count)
         key = jax.random.fold_in(key, jax.lax.axis_index("data"))
 
         loss_fn = self._loss
@@ -355,7 +384,13 @@ class JaxBackend:
         (loss, grads), _ = jax.lax.scan(micro_step, zeros, (images, targets, micro_steps))
         loss, grads = jax.tree.map(lambda x: x / images.shape[0], (loss, grads))
         # The explicit all-reduce: every device ends with the mean gradient of the global batch.
-        loss, grads = jax.lax.pmean((loss, grads), "data")
+        return jax.lax.pmean((loss, grads), "data")
+
+    def _step(self, params, opt_state, buffers, images, targets, lr, grads_fn):
+        """One optimizer step. The update runs on the sharded state where --shard splits it
+        (AdamW is elementwise; the clipping and finiteness norms are global, XLA reduces them)."""
+        loss, grads = grads_fn(params, buffers, images, targets, adam_state(opt_state).count)
+        grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, new_state = self.optimizer.update(grads, opt_state, params)
         new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
         # A non-finite loss or gradient leaves weights and optimizer state as they were, with no
@@ -371,14 +406,18 @@ class JaxBackend:
 
     def _jit_step(self):
         rep, data = P(), P(None, "data")
-        step = jax.shard_map(
-            self._local_step,
+        grads_fn = jax.shard_map(
+            self._local_grads,
             mesh=self.mesh,
             check_vma=False,
-            in_specs=(rep, rep, rep, data, data, rep),
-            out_specs=(rep, rep, rep),
+            in_specs=(rep, rep, data, data, rep),
+            out_specs=(rep, rep),
         )
-        return jax.jit(step, donate_argnums=(0, 1))
+        return jax.jit(
+            functools.partial(self._step, grads_fn=grads_fn),
+            donate_argnums=(0, 1),
+            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+        )
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
         return iter(DevicePrefetcher(batches, self._put, self.cfg.device_prefetch))
@@ -481,7 +520,7 @@ class JaxBackend:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}
-        self.params = jax.device_put(params, self.replicated)
+        self.params = jax.device_put(params, self.param_shardings)
         saved = state["optimizer"]["state"]
         order = self._torch_order()
         adam = adam_state(self.optimizer.init(self.params))
@@ -491,7 +530,7 @@ class JaxBackend:
             nu = {n: to_jax(saved[i]["exp_avg_sq"], store) for i, n in enumerate(order)}
             adam = optax.ScaleByAdamState(count=jnp.asarray(step, jnp.int32), mu=mu, nu=nu)
         opt_state = replace_adam_state(self.optimizer.init(self.params), adam)
-        self.opt_state = jax.device_put(opt_state, self.replicated)
+        self.opt_state = jax.device_put(opt_state, self.opt_shardings)
 
     def rng_state(self) -> dict[str, Any]:
         """None to save: the step's keys follow from the seed and the optimizer's step count."""
@@ -519,6 +558,11 @@ class JaxBackend:
             "devices": self.local_replicas * jax.process_count(),
             "device_kind": jax.devices()[0].device_kind,
             "peak_memory_bytes": self.peak_memory_bytes(),
+            "shard": self.shard,
+            "state_bytes": {
+                "params": device_bytes(self.params),
+                "optimizer": device_bytes(self.opt_state),
+            },
             "persistent_cache": True,
             "persistent_cache_hits": int(spent.pop("cache_hits")),
             "compile_phases_s": spent,

@@ -132,6 +132,8 @@ class XlaBackend(EagerBackend):
             raise ConfigError("the xla backend does low precision in bfloat16 (--amp_dtype)")
         if cfg.remat:
             raise ConfigError("--remat is not supported by the xla backend (eager, compile, jax)")
+        if cfg.shard != "none":
+            raise ConfigError("--shard is not supported by the xla backend (eager, compile, jax)")
         self.persistent_cache = init_compile_cache(cfg.compile_cache_dir(), not ctx.is_main)
         super().__init__(cfg, ctx)
         if cfg.kernel_opt and not self.syncfree:

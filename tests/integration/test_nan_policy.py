@@ -8,32 +8,15 @@ import json
 
 import pytest
 import torch
-from PIL import Image
 
 from accel import checkpoint as ckpt
 from accel.distributed import DistContext
 from accel.launch_single_task import EXIT_NONFINITE, main
 from accel.train import Trainer
-from data.prepare import prepare_mock_imagenet
 from tests import nan_model
 from tests.helpers import micro_config
 
 EPOCHS = 2
-
-
-@pytest.fixture(scope="module")
-def one_white_image(tmp_path_factory):
-    root = prepare_mock_imagenet(
-        tmp_path_factory.mktemp("white") / "imagenet",
-        classes=2,
-        per_class=8,  # 16 images, batch 4: every image is in exactly one step per epoch
-        val_per_class=1,
-        size=40,
-        progress=False,
-    )
-    target = next((root / "train").glob("*/*.JPEG"))
-    Image.new("RGB", (40, 40), (255, 255, 255)).save(target, quality=100)
-    return root
 
 
 def _config(tmp_path, backend: str, data, **kw):

@@ -1,0 +1,197 @@
+"""--shard: FSDP2 on eager (2 gloo processes) and sharded arrays on jax (2 host devices) train
+the losses of the replicated run with about half the state per rank; sharded checkpoints resume
+bit for bit after SIGKILL and load into an unsharded single process."""
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from accel.amp import amp_policy
+from accel.parallel import fsdp
+from models.factory import ModelConfig, create_model
+from tests import nan_model
+from tests.helpers import ROOT, cli_command, read_summary, run_cli
+from tests.integration.test_nan_policy import _config as _nan_config
+
+pytestmark = pytest.mark.slow
+
+# Two micro-steps a step (FSDP's reduce-scatter skipped on the first) and clipping on (the
+# global norm over the shards): both would change the losses if done per shard.
+JOB = ("--model", "vit_micro", "--steps", "6", "--batch_size", "8", "--grad_accum", "2")
+JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--clip_grad", "0.5")
+
+
+def _run(output: Path, *extra: str, env: dict | None = None) -> dict:
+    result = run_cli(*JOB, "--output", str(output), "--run_name", "r", *extra, env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_summary(output)
+
+
+def _state_bytes(summary: dict) -> int:
+    return sum(summary["state_bytes"].values())
+
+
+@pytest.fixture(scope="module")
+def eager_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    runs = {}
+    for shard in ("none", "full"):
+        output = tmp_path_factory.mktemp(f"eager-{shard}")
+        runs[shard] = output, _run(output, "--nproc_per_node", "2", "--shard", shard)
+    return runs
+
+
+def test_fsdp_trains_the_ddp_losses_with_half_the_state_per_rank(eager_runs):
+    (_, ddp), (output, sharded) = eager_runs["none"], eager_runs["full"]
+    assert sharded["shard"] == "full" and ddp["shard"] == "none"
+    np.testing.assert_allclose(sharded["losses"][:5], ddp["losses"][:5], rtol=1e-5)
+    assert _state_bytes(sharded) <= 0.55 * _state_bytes(ddp)
+    assert sharded["state_bytes"]["grads"] <= 0.55 * ddp["state_bytes"]["grads"]
+    np.testing.assert_allclose(sharded["eval_loss"], ddp["eval_loss"], rtol=1e-5)
+    saved = sorted(p.name for p in (output / "vit_micro/eager/r/checkpoints").iterdir())
+    assert saved == ["step_00000002.dcp", "step_00000004.dcp", "step_00000006.dcp"]
+
+
+def test_a_sharded_checkpoint_loads_into_one_unsharded_process(eager_runs, tmp_path):
+    """--shard full in one process warns that nothing is sharded and trains unsharded; the
+    2-rank checkpoint loads into it resharded, and evaluates to the same loss."""
+    output, sharded = eager_runs["full"]
+    last = output / "vit_micro/eager/r/checkpoints/step_00000006.dcp"
+    result = run_cli(*JOB, "--output", str(tmp_path), "--shard", "full", "--resume", str(last))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "--shard full with world size 1: nothing to shard" in result.stderr
+    assert "resuming a sharded checkpoint at another world_size" in result.stderr
+    single = read_summary(tmp_path)
+    assert single["shard"] == "none" and single["world_size"] == 1
+    np.testing.assert_allclose(single["eval_loss"], sharded["eval_loss"], rtol=1e-5)
+
+
+def test_resuming_a_sharded_checkpoint_into_another_job_names_the_keys(eager_runs, tmp_path):
+    output, _ = eager_runs["full"]
+    last = output / "vit_micro/eager/r/checkpoints/step_00000006.dcp"
+    result = run_cli(*JOB, "--output", str(tmp_path), "--batch_size", "4", "--resume", str(last))
+    assert result.returncode == 2
+    assert "cannot resume" in result.stderr and "batch_size (checkpoint 8, now 4)" in result.stderr
+
+
+def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tmp_path):
+    _, sharded = eager_runs["full"]
+    job = [*JOB, "--nproc_per_node", "2", "--shard", "full", "--output", str(tmp_path)]
+    # Its own session, so that SIGKILL reaches the launcher and both ranks at once.
+    proc = subprocess.Popen(
+        cli_command(*job, "--run_name", "r"),
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    done = tmp_path / "vit_micro/eager/r/checkpoints/step_00000002.dcp"
+    deadline = time.monotonic() + 300
+    while not done.exists():
+        assert proc.poll() is None, proc.stderr.read()[-2000:]
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert not (done.parents[1] / "summary.json").exists()  # killed before the end
+    resumed = _run(tmp_path, "--nproc_per_node", "2", "--shard", "full", "--resume", "auto")
+    assert resumed["losses"] == sharded["losses"]
+
+
+def test_jax_sharded_arrays_train_the_replicated_losses_with_half_the_state(tmp_path):
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    runs = {
+        shard: _run(
+            tmp_path / shard,
+            "--backend",
+            "jax",
+            "--nproc_per_node",
+            "2",
+            "--shard",
+            shard,
+            "--no-eval",
+            env=env,
+        )
+        for shard in ("none", "full")
+    }
+    np.testing.assert_allclose(runs["full"]["losses"][:5], runs["none"]["losses"][:5], rtol=1e-5)
+    assert _state_bytes(runs["full"]) <= 0.55 * _state_bytes(runs["none"])
+
+
+def test_compile_with_fsdp_trains_the_ddp_losses(eager_runs, tmp_path):
+    _, ddp = eager_runs["none"]
+    compiled = _run(tmp_path, "--backend", "compile", "--nproc_per_node", "2", "--shard", "full")
+    assert compiled["shard"] == "full" and compiled["compiles_after_warmup"] == 0
+    np.testing.assert_allclose(compiled["losses"][:5], ddp["losses"][:5], rtol=1e-4)
+
+
+def _nan_rank(rank: int, cfg, port: int) -> None:
+    """One of two spawned ranks training the NaN-on-white model sharded."""
+    from accel.distributed import DistContext, init_process_group
+    from accel.train import Trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    ctx = DistContext(rank, rank, 2)
+    init_process_group(ctx)
+    try:
+        Trainer(cfg, ctx).train()
+    finally:
+        dist.destroy_process_group()
+
+
+def _saved_state(path: Path, scratch: Path) -> dict[str, torch.Tensor]:
+    """A sharded checkpoint's weights and optimizer state, gathered (DCP's own converter)."""
+    dcp_to_torch_save(path, scratch / f"{path.name}.pt")
+    state = torch.load(scratch / f"{path.name}.pt", weights_only=False)
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    for name, moments in state["optimizer"]["state"].items():
+        flat.update({f"opt.{name}.{k}": torch.as_tensor(v) for k, v in moments.items()})
+    return flat
+
+
+def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_white_image):
+    """--nan_policy skip, sharded: the step with the white image saves the weights and AdamW
+    moments it started from, bit for bit, on every shard; other steps change them."""
+    cfg = _nan_config(tmp_path, "eager", one_white_image, nan_policy="skip", shard="full")
+    cfg.nproc_per_node = 2
+    mp.start_processes(_nan_rank, args=(cfg, 29563), nprocs=2, start_method="spawn")
+    summary = read_summary(tmp_path)
+    steps = summary["nonfinite_steps"]
+    assert len(steps) == 2 and summary["steps"] == 4 and summary["shard"] == "full"
+    checkpoints = tmp_path / nan_model.NAME / "eager" / "t" / "checkpoints"
+    states = {s: _saved_state(checkpoints / f"step_{s:08d}.dcp", tmp_path) for s in range(1, 5)}
+    for step in (s for s in steps if s > 1):
+        assert all(torch.equal(v, states[step - 1][k]) for k, v in states[step].items()), step
+    applied = next(s for s in range(2, 5) if s not in steps)
+    assert not all(torch.equal(v, states[applied - 1][k]) for k, v in states[applied].items())
+
+
+@pytest.fixture
+def one_rank_group():
+    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_blocks_are_found_per_model_and_a_model_without_them_is_wrapped_whole(one_rank_group):
+    vit = create_model(ModelConfig("vit_micro")).model
+    swin = create_model(ModelConfig("swin_micro")).model
+    assert fsdp.transformer_blocks(vit) == list(vit.blocks)
+    assert fsdp.transformer_blocks(swin) == list(swin.layers)  # Swin: its stages
+    flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert fsdp.transformer_blocks(flat) == []
+    with pytest.warns(UserWarning, match="no blocks to wrap one by one; sharded as one unit"):
+        fsdp.shard_model(flat, [], "full", amp_policy("O0"))
+    assert type(flat).__name__.startswith("FSDP")
