@@ -85,6 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="stochastic depth rate (default: the model's own)",
     )
+    p.add_argument(
+        "--img_size", type=int, default=None, help="input side (default: the model's own)"
+    )
     p.add_argument("--data", default="synthetic", help="'synthetic' or an ImageNet-layout folder")
     p.add_argument("--num_classes", type=int, default=10, help="synthetic data only")
     p.add_argument("--synthetic_length", type=int, default=1024)
@@ -234,7 +237,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
     )
     return RunConfig(
         backend=backend,
-        model=ModelConfig(args.model, args.num_classes, args.pool, args.drop_path),
+        model=ModelConfig(args.model, args.num_classes, args.pool, args.drop_path, args.img_size),
         data=data,
         optim=optim,
         batch_size=args.batch_size,

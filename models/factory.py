@@ -26,6 +26,7 @@ class ModelConfig:
     num_classes: int = 10
     pool: str = "token"  # "token" (class token) or "avg" (average pooling, no class token)
     drop_path_rate: float | None = None  # stochastic depth; None keeps the model's default
+    img_size: int | None = None  # input side; None keeps the model's own (ViT, Swin: any size)
 
 
 class ImageClassifier(nn.Module):
@@ -81,6 +82,13 @@ def create_model(cfg: ModelConfig) -> ImageClassifier:
     # scaled_dot_product_attention, as ViT's already is: timm keeps it on plain ops by default
     # ("experimental"), which leaves every backend's fused attention kernels unused.
     timm.layers.set_fused_attn(True, experimental=True)
+    if cfg.img_size is not None:
+        kwargs["img_size"] = cfg.img_size
     model = timm.create_model(cfg.name, pretrained=False, **kwargs)
+    if cfg.img_size is not None:  # the size the data pipeline reads off the model
+        model.pretrained_cfg = {
+            **model.pretrained_cfg,
+            "input_size": (3, cfg.img_size, cfg.img_size),
+        }
     pcfg = model.pretrained_cfg
     return ImageClassifier(model, tuple(pcfg["mean"]), tuple(pcfg["std"]))

@@ -24,6 +24,7 @@ def _model_kwargs(kwargs: dict) -> dict:
     dropped = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
     kwargs = {k: v for k, v in kwargs.items() if k not in dropped}
     kwargs.setdefault("num_classes", 10)
+    kwargs.setdefault("img_size", 32)
     # timm's Swin defaults to stochastic depth 0.1; a two-block model has nothing to drop.
     kwargs.setdefault("drop_path_rate", 0.0)
     return kwargs
@@ -34,7 +35,7 @@ def vit_micro(pretrained: bool = False, **kwargs) -> VisionTransformer:
     """ViT with 4x4 patches on 32x32 images, width 64, depth 2 (about 75k parameters)."""
     kwargs = _model_kwargs(kwargs)
     model = VisionTransformer(
-        img_size=32, patch_size=4, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, **kwargs
+        patch_size=4, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, **kwargs
     )
     model.pretrained_cfg = _micro_cfg(architecture="vit_micro")
     return model
@@ -46,7 +47,6 @@ def swin_micro(pretrained: bool = False, **kwargs) -> SwinTransformer:
     kwargs = _model_kwargs(kwargs)
     kwargs.pop("class_token", None)  # Swin always pools; the option has no meaning here
     model = SwinTransformer(
-        img_size=32,
         patch_size=2,
         window_size=4,
         embed_dim=32,
