@@ -30,6 +30,7 @@ def _one_line_error(result, *needles):
         ),
         (["--backend", "tpu"], ["--backend", "tpu"]),
         (["--steps", "0"], ["--steps or --epochs"]),
+        (["--backend", "xla", "--shard", "full"], ["--shard is not supported by the xla backend"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needles):
