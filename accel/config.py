@@ -46,6 +46,7 @@ class RunConfig:
     kernel_opt: bool = False
     remat: bool = False  # recompute activations in the backward (less memory, more compute)
     shard: str = "none"  # split weights, gradients and optimizer state over the replicas
+    tp_head: int = 1  # ranks the classifier's classes are split over (tensor parallel)
     seed: int = 0
     output: str = "runs"
     run_name: str = ""

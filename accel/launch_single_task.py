@@ -125,6 +125,13 @@ def build_parser() -> argparse.ArgumentParser:
         "full (FSDP2 per block on eager/compile; sharded arrays on jax), grad_op (weights kept "
         "gathered through the step: ZeRO-2's traffic), none (replicas)",
     )
+    p.add_argument(
+        "--tp_head",
+        type=int,
+        default=1,
+        help="split the classifier's classes over N ranks (eager, compile): a dp x tp mesh of "
+        "--nproc_per_node processes; logits and loss stay split",
+    )
     p.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (0 = off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (0 = off)")
     p.add_argument("--mixup_off_epoch", type=int, default=0, help="stop mixup from this epoch")
@@ -248,6 +255,7 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         kernel_opt=args.kernel_opt,
         remat=args.remat,
         shard=args.shard,
+        tp_head=args.tp_head,
         seed=args.seed,
         output=args.output,
         run_name=args.run_name,
@@ -281,7 +289,39 @@ def validate(cfg: RunConfig) -> ModuleType:
     if not cfg.data.is_synthetic:
         dataset_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
     _check_gpu_count(cfg)
+    _check_mesh(cfg)
     return backend_module(cfg.backend)  # raises BackendUnavailable with the install command
+
+
+def _check_mesh(cfg: RunConfig) -> None:
+    tp, procs = cfg.tp_head, cfg.nproc_per_node
+    if tp < 1:
+        raise ConfigError(f"--tp_head must be >= 1, got {tp}")
+    if tp == 1:
+        return
+    if cfg.backend not in ("eager", "compile"):
+        raise ConfigError(f"--tp_head splits the classifier on eager or compile, not {cfg.backend}")
+    if cfg.shard != "none":
+        raise ConfigError("--tp_head and --shard cannot be combined")
+    if procs % tp:
+        raise ConfigError(f"--nproc_per_node {procs} is not divisible by --tp_head {tp}")
+
+
+def mesh_lines(cfg: RunConfig) -> list[str]:
+    """What the launcher says about the process mesh, and the padding of a split classifier."""
+    tp = cfg.tp_head
+    if tp == 1:
+        return []
+    procs = cfg.nproc_per_node
+    lines = [f"mesh dp {procs // tp} x tp {tp} ({procs} processes)"]
+    classes = dataset_num_classes(cfg.data)
+    padded = -(-classes // tp) * tp
+    if padded != classes:
+        lines.append(
+            f"{classes} classes over tp {tp}: the classifier is padded to {padded} rows, "
+            f"the {padded - classes} padded classes masked out of the softmax"
+        )
+    return lines
 
 
 def _check_gpu_count(cfg: RunConfig) -> None:
@@ -396,8 +436,8 @@ def run(argv: list[str]) -> int:
             flush=True,
         )
     module = validate(cfg)
-    note = resolve_decode_on(cfg)
-    if note and ctx.is_main:
+    notes = [resolve_decode_on(cfg), *mesh_lines(cfg)]
+    for note in filter(None, notes if ctx.is_main else ()):
         print(f"accel: {note}", flush=True)
     cfg.run_name = resolve_run_name(cfg)
     if cfg.nproc_per_node > 1 and not launched_by_torchrun():

@@ -120,8 +120,13 @@ class Trainer:
             self.flops_per_image = train_flops_per_image(cfg.model)
         with timer.phase("setup"):
             self.backend.setup(self.model)
-        # The same initial weights on every rank (above), then each rank its own random stream.
-        seed_everything(cfg.seed + ctx.rank)
+        # Data-parallel position: the ranks of a tensor-parallel group train on the same batch.
+        self.data_rank, self.data_ranks = getattr(
+            self.backend, "data_parallel", (ctx.rank, ctx.world_size)
+        )
+        # The same initial weights on every rank (above), then each data-parallel rank its own
+        # random stream (a tp group's ranks draw alike: their replicated layers stay equal).
+        seed_everything(cfg.seed + self.data_rank)
         # A backend driving several local devices from one process (jax) loads a batch for each.
         self.host_batch = cfg.batch_size * self.backend.local_replicas
         with timer.phase("loader"):
@@ -129,8 +134,8 @@ class Trainer:
                 cfg.data,
                 self.image_size,
                 self.host_batch,
-                ctx.rank,
-                ctx.world_size,
+                self.data_rank,
+                self.data_ranks,
                 cfg.seed,
                 pin_memory=self.backend.pin_memory,
             )
@@ -159,7 +164,7 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        return self.host_batch * self.ctx.world_size * self.cfg.optim.grad_accum
+        return self.host_batch * self.data_ranks * self.cfg.optim.grad_accum
 
     # --- checkpoints --------------------------------------------------------------------------
     @property
@@ -206,9 +211,10 @@ class Trainer:
         self.backend.load_dcp_state_dict(ckpt.load_sharded(path, template))
 
     def _resume_identity(self) -> dict[str, Any]:
+        # The data order follows the data-parallel replicas (a tp group counts once).
         return {
             **dataclasses.asdict(self.cfg),
-            "world_size": self.replicas,
+            "world_size": self.data_ranks * self.backend.local_replicas,
         }
 
     def _resume_path(self):
@@ -232,9 +238,10 @@ class Trainer:
         if self.writes_shards:
             tensors = self.backend.dcp_state_dict()
             path = ckpt.save_sharded(run_dir, step, tensors, meta, keep)
-        elif self.ctx.is_main:
+        elif self.ctx.is_main or getattr(self.backend, "gathers_state", False):
             state = {"backend": self.backend.state_dict(), **meta}
-            path = ckpt.save_checkpoint(run_dir, step, state, keep)
+            if self.ctx.is_main:
+                path = ckpt.save_checkpoint(run_dir, step, state, keep)
         if self.ctx.is_main:
             self.logger.info(f"checkpoint {path}")
 
@@ -416,8 +423,8 @@ class Trainer:
             self.cfg.data,
             self.image_size,
             self.host_batch,
-            self.ctx.rank,
-            self.ctx.world_size,
+            self.data_rank,
+            self.data_ranks,
             self.cfg.seed,
         )
         return self.backend.evaluate(self.tracker.track(loader))

@@ -23,7 +23,7 @@ from accel.backends.base import Batch, StepResult
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
-from accel.parallel import effective_shard, fsdp
+from accel.parallel import effective_shard, fsdp, tp_head
 from models.factory import ImageClassifier
 
 KERNEL_OPTS = "nothing more: AdamW is always the fused one, which skips non-finite steps itself"
@@ -90,6 +90,11 @@ class EagerBackend:
         # are the masters and FSDP gathers them in low precision.
         self.separate_masters = self.amp.master_weights and self.shard == "none"
         self.state_bytes: dict[str, int] = {}
+        self.tp = None  # the dp x tp layout of --tp_head
+        self.data_parallel = (ctx.rank, ctx.world_size)  # (rank, ranks) the data is split over
+        if cfg.tp_head > 1:
+            self.tp = tp_head.TPLayout.build(cfg.tp_head, self.device.type)
+            self.data_parallel = (self.tp.dp_rank, self.tp.dp)
         self.scaler = torch.amp.GradScaler(
             "cuda", enabled=self.amp.loss_scaling and self.device.type == "cuda"
         )
@@ -107,6 +112,8 @@ class EagerBackend:
             model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
         dtype = torch.float32 if self.amp.master_weights and not self.separate_masters else None
         self.module = model.to(self.device, dtype=dtype or self.amp.param_dtype)
+        if self.tp:
+            self.head = tp_head.shard_classifier(self.module.model, self.tp)
         self.model = self.wrap_model(self.module)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self.make_optimizer(
@@ -117,10 +124,11 @@ class EagerBackend:
         if self.shard != "none":
             fsdp.shard_model(module, fsdp.transformer_blocks(module.model), self.shard, self.amp)
             return module
-        if not self.ctx.distributed:
+        if self.data_parallel[1] < 2:
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids)
+        group = self.tp.dp_group if self.tp else None  # a tp group trains on the same batch
+        return DistributedDataParallel(module, device_ids=ids, process_group=group)
 
     def make_optimizer(self, groups: list[dict]) -> torch.optim.Optimizer:
         if self.separate_masters:
@@ -161,7 +169,7 @@ class EagerBackend:
         if self.shard != "none":
             self.module.set_requires_gradient_sync(last)
             return contextlib.nullcontext()
-        if self.ctx.distributed and not last:
+        if self.data_parallel[1] > 1 and not last:
             return self.model.no_sync()
         return contextlib.nullcontext()
 
@@ -188,6 +196,8 @@ class EagerBackend:
         return total
 
     def forward_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.tp:
+            return tp_head.soft_target_loss(self.model(images), targets, self.head)
         return soft_target_loss(self.model(images), targets)
 
     def reduce_gradients(self) -> None:
@@ -228,9 +238,14 @@ class EagerBackend:
 
     def clip_gradients(self) -> torch.Tensor:
         """The total gradient norm, clipping the gradients to --clip_grad where it is set."""
-        params = self.optimizer_params
-        if self.cfg.optim.clip_grad > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, self.cfg.optim.clip_grad)
+        params, clip = self.optimizer_params, self.cfg.optim.clip_grad
+        if self.tp:
+            norm = tp_head.grad_norm(params, self.head_ids, self.tp.tp_group)
+            if clip > 0:
+                torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+            return norm
+        if clip > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, clip)
         else:
             norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
         return fsdp.full_value(norm)  # sharded: the global norm, reduced over the shards
@@ -240,11 +255,65 @@ class EagerBackend:
         sharded), read off the tensors while the gradients exist."""
         held = self.params + (list(self.master.values()) if self.separate_masters else [])
         grads = [t.grad for t in held if t.grad is not None]
-        return {
+        measured = {
             "params": fsdp.local_bytes(held),
             "grads": fsdp.local_bytes(grads),
             "optimizer": fsdp.optimizer_bytes(self.optimizer),
         }
+        head = self.classifier_params()
+        if head:  # the classifier's share of the above: weights, gradients, AdamW moments
+            moments = [v for q in head for v in self.optimizer.state[q].values() if v.dim()]
+            tensors = head + [q.grad for q in head if q.grad is not None] + moments
+            measured["classifier"] = fsdp.local_bytes(tensors)
+        return measured
+
+    def classifier_params(self) -> list[torch.Tensor]:
+        """What the optimizer updates of the classifier (this rank's shard of it where split)."""
+        if self.tp:
+            head = self.head
+        elif hasattr(self.module.model, "get_classifier"):
+            head = self.module.model.get_classifier()
+        else:
+            return []
+        return [self.master[p] if self.separate_masters else p for p in head.parameters()]
+
+    # --- the tensor-parallel head's place in the optimizer and the checkpoint ----------------
+    @property
+    def head_ids(self) -> set[int]:
+        return {id(q) for _, _, _, q in self.head_entries()}
+
+    def head_entries(self) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
+        """(name, optimizer index, parameter, what the optimizer updates) of the head's
+        weight and bias."""
+        names = {id(p): n for n, p in self.module.named_parameters()}
+        order = {id(q): i for i, q in enumerate(self.optimizer_params)}
+        entries = []
+        for p in self.head.parameters():
+            q = self.master[p] if self.separate_masters else p
+            entries.append((names[id(p)], order[id(q)], p, q))
+        return entries
+
+    def gather_head(self, state: dict[str, Any]) -> None:
+        """Whole classifier rows in a state dict of this rank's shard (every tp rank calls it)."""
+        for name, index, _, q in self.head_entries():
+            state["model"][name] = self.head.gather(q.detach()).cpu().float()
+            moments = state["optimizer"]["state"].get(index, {})
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in moments:
+                    moments[key] = self.head.gather(self.optimizer.state[q][key]).cpu()
+
+    def slice_head(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's rows of a whole-classifier state dict (a copy where it changes)."""
+        model = dict(state["model"])
+        optimizer = {**state["optimizer"], "state": dict(state["optimizer"]["state"])}
+        for name, index, _, _ in self.head_entries():
+            model[name] = self.head.rows(model[name])
+            if index in optimizer["state"]:
+                moments = dict(optimizer["state"][index])
+                for key in ("exp_avg", "exp_avg_sq"):
+                    moments[key] = self.head.rows(moments[key])
+                optimizer["state"][index] = moments
+        return {**state, "model": model, "optimizer": optimizer}
 
     def guarded_step(self, finite: torch.Tensor) -> None:
         """No host sync: fused AdamW leaves the weights, moments and step count as they were
@@ -269,7 +338,10 @@ class EagerBackend:
             images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
             with self.autocast():
                 logits = self.module(images)
-            sums += eval_sums(logits, labels, mask)
+            if self.tp:
+                sums += tp_head.eval_sums(logits, labels, mask, self.head)
+            else:
+                sums += eval_sums(logits, labels, mask)
             self.step_done()
         self.module.train()
         loss_sum, correct, count = self.host_values(self.all_reduce_sum(sums))
@@ -281,9 +353,15 @@ class EagerBackend:
         }
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        if self.ctx.distributed:
-            dist.all_reduce(value)
+        """Summed over the data-parallel ranks (a tp group's ranks hold the same sums)."""
+        if self.data_parallel[1] > 1:
+            dist.all_reduce(value, group=self.tp.dp_group if self.tp else None)
         return value
+
+    @property
+    def gathers_state(self) -> bool:
+        """Whether state_dict() gathers across ranks, so that every rank must call it."""
+        return self.tp is not None
 
     def host_values(self, value: torch.Tensor) -> list[float]:
         return value.cpu().tolist()
@@ -298,13 +376,18 @@ class EagerBackend:
         if self.separate_masters:  # the fp32 master copy is the true value of the weights
             names = {p: n for n, p in self.module.named_parameters()}
             model.update({names[p]: m.detach().cpu() for p, m in self.master.items()})
-        return {
+        state = {
             "model": model,
             "optimizer": to_cpu(self.optimizer.state_dict()),
             "scaler": self.scaler.state_dict(),
         }
+        if self.tp:
+            self.gather_head(state)
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.tp:
+            state = self.slice_head(state)
         self.module.load_state_dict(state["model"])
         if self.separate_masters:
             with torch.no_grad():
@@ -347,6 +430,7 @@ class EagerBackend:
             "compiles_after_warmup": 0,
             "fallback_ops": {},
             "shard": self.shard,
+            "tp_head": self.tp.tp if self.tp else 1,
             "state_bytes": self.state_bytes,
         }
         if self.device.type == "cuda":

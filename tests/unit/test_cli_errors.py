@@ -31,6 +31,9 @@ def _one_line_error(result, *needles):
         (["--backend", "tpu"], ["--backend", "tpu"]),
         (["--steps", "0"], ["--steps or --epochs"]),
         (["--backend", "xla", "--shard", "full"], ["--shard is not supported by the xla backend"]),
+        (["--backend", "jax", "--tp_head", "2"], ["--tp_head", "not jax"]),
+        (["--nproc_per_node", "3", "--tp_head", "2"], ["--nproc_per_node 3", "--tp_head 2"]),
+        (["--tp_head", "2", "--shard", "full"], ["--tp_head and --shard"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needles):

@@ -1,0 +1,174 @@
+"""Tensor-parallel classifier (--tp_head N): the head's classes split over the N ranks of a `tp`
+group, the body replicated across them, so a classifier over a million classes never holds its
+full weight, gradient, optimizer state or logits on one rank.
+
+Ranks form a dp x tp mesh (tp innermost): ranks of a tp group train on the same batch; dp groups
+(same tp index) split the data. The soft-target cross-entropy and the top-1 of evaluation are
+computed from the logit shards with a few collectives of one value per sample. The pieces are
+written here rather than taken from DTensor's `loss_parallel`, which supports class-index
+targets only (mixup and label smoothing need soft ones).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+
+@dataclass(frozen=True)
+class TPLayout:
+    tp: int
+    dp: int
+    tp_rank: int
+    dp_rank: int
+    tp_group: Any
+    dp_group: Any
+
+    @classmethod
+    def build(cls, tp: int, device_type: str) -> TPLayout:
+        world = dist.get_world_size()
+        mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        rank = dist.get_rank()
+        return cls(
+            tp, world // tp, rank % tp, rank // tp, mesh.get_group("tp"), mesh.get_group("dp")
+        )
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; the backward sums the feature gradients of every class shard, so the
+    replicated body receives the gradient of the whole loss on every tp rank."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ShardedClassifier(nn.Module):
+    """Rows [start, start + per) of a (classes x features) classifier, the class count padded to
+    a multiple of the tp size; padded rows give a logit no softmax can pick."""
+
+    def __init__(self, full: nn.Linear, layout: TPLayout):
+        super().__init__()
+        self.classes = full.out_features
+        self.per = -(-self.classes // layout.tp)
+        self.start = layout.tp_rank * self.per
+        self.valid = max(0, min(self.per, self.classes - self.start))  # real classes here
+        self.group = layout.tp_group
+        self.weight = nn.Parameter(self.rows(full.weight.detach()))
+        self.bias = nn.Parameter(self.rows(full.bias.detach()))
+
+    def rows(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a full (classes, ...) tensor, zero-padded."""
+        out = full.new_zeros((self.per, *full.shape[1:]))
+        out[: self.valid] = full[self.start : self.start + self.valid]
+        return out
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """The full (classes, ...) tensor from every rank's rows (checkpoints)."""
+        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
+        dist.all_gather(parts, local.contiguous(), group=self.group)
+        return torch.cat(parts)[: self.classes]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = nn.functional.linear(
+            _CopyToTensorParallel.apply(x, self.group), self.weight, self.bias
+        )
+        if self.valid < self.per:
+            padded = torch.arange(self.per, device=logits.device) >= self.valid
+            logits = logits.masked_fill(padded, torch.finfo(logits.dtype).min / 4)
+        return logits
+
+    def local_targets(self, targets: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of full (batch, classes) soft targets, zero-padded."""
+        local = targets[:, self.start : self.start + self.valid]
+        return nn.functional.pad(local, (0, self.per - self.valid))
+
+
+def shard_classifier(model: nn.Module, layout: TPLayout) -> ShardedClassifier:
+    """Replace the timm model's classifier (get_classifier(): ViT's head, Swin's head.fc) by
+    this rank's shard of it."""
+    full = model.get_classifier()
+    if not isinstance(full, nn.Linear):
+        raise ValueError(
+            f"--tp_head splits a linear classifier; this model has {type(full).__name__}"
+        )
+    parent_name, _, attr = next(n for n, m in model.named_modules() if m is full).rpartition(".")
+    sharded = ShardedClassifier(full, layout)
+    setattr(model.get_submodule(parent_name), attr, sharded)
+    return sharded
+
+
+class _ParallelSoftTargetCE(torch.autograd.Function):
+    """Per-sample -sum(t * log_softmax(logits)) over the classes of all shards."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
+        ctx.dtype = logits.dtype
+        logits = logits.float()
+        top = logits.max(-1, keepdim=True).values
+        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+        exp = (logits - top).exp()
+        total = exp.sum(-1, keepdim=True)
+        dist.all_reduce(total, group=group)
+        log_z = top + total.log()
+        parts = torch.stack([-(targets * (logits - log_z)).sum(-1), targets.sum(-1)])
+        dist.all_reduce(parts, group=group)
+        loss, target_mass = parts
+        ctx.save_for_backward(exp / total, targets, target_mass)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        probs, targets, target_mass = ctx.saved_tensors
+        grad_logits = (probs * target_mass[:, None] - targets) * grad[:, None]
+        return grad_logits.to(ctx.dtype), None, None
+
+
+def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor, head: ShardedClassifier):
+    """The mean soft-target cross-entropy from this rank's logit shard and the full targets."""
+    local = head.local_targets(targets.float())
+    return _ParallelSoftTargetCE.apply(logits, local, head.group).mean()
+
+
+def eval_sums(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, head: ShardedClassifier
+) -> torch.Tensor:
+    """[loss sum, correct, count] over the valid samples, as eager's eval_sums, without the full
+    logits: top-1 from each shard's best (value, class), compared across the shards."""
+    logits, mask = logits.float(), mask.float()
+    onehot = torch.zeros_like(logits)
+    local = labels - head.start
+    here = (local >= 0) & (local < head.valid)
+    onehot[here, local[here]] = 1.0
+    loss = _ParallelSoftTargetCE.apply(logits, onehot, head.group)
+    best, index = logits.max(-1)
+    candidates = torch.stack([best, (index + head.start).float()])
+    gathered = [torch.empty_like(candidates) for _ in range(dist.get_world_size(head.group))]
+    dist.all_gather(gathered, candidates, group=head.group)
+    values = torch.stack([g[0] for g in gathered])  # [tp, batch]
+    classes = torch.stack([g[1] for g in gathered])
+    predicted = classes.gather(0, values.argmax(0, keepdim=True))[0].long()
+    correct = (predicted == labels).float()
+    return torch.stack([(loss * mask).sum(), (correct * mask).sum(), mask.sum()])
+
+
+def grad_norm(params: list[torch.Tensor], head_params: set[int], group) -> torch.Tensor:
+    """The global gradient norm: the body's gradients are the same on every tp rank (counted
+    once), the head's are summed over its shards."""
+    body = [p.grad for p in params if p.grad is not None and id(p) not in head_params]
+    head = [p.grad for p in params if p.grad is not None and id(p) in head_params]
+    head_sq = torch.nn.utils.get_total_norm(head) ** 2
+    dist.all_reduce(head_sq, group=group)
+    return (torch.nn.utils.get_total_norm(body) ** 2 + head_sq).sqrt()

@@ -1,0 +1,149 @@
+"""--tp_head: the classifier split by class over the ranks of a tp group (2 and 4 gloo
+processes), trained to the losses of the unsplit run, checkpointed in the ordinary format."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from accel.parallel import fsdp, tp_head
+from tests.helpers import read_summary, run_cli
+
+pytestmark = pytest.mark.slow
+
+# 11 classes: split over 2 ranks, the classifier is padded to 12 and the padded class masked.
+JOB = ("--model", "vit_micro", "--num_classes", "11", "--steps", "6", "--batch_size", "8")
+JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--mixup", "0.8")
+JOB += ("--drop_path", "0.3")  # the ranks of a tp group must draw the same masks
+
+
+def _run(output: Path, *extra: str) -> tuple[dict, str]:
+    result = run_cli(*JOB, "--output", str(output), "--run_name", "r", *extra)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_summary(output), result.stdout
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
+    jobs = {
+        "single": (),
+        "tp2": ("--nproc_per_node", "2", "--tp_head", "2"),
+        "ddp2": ("--nproc_per_node", "2", "--batch_size", "8"),
+        "dp2xtp2": ("--nproc_per_node", "4", "--tp_head", "2"),
+    }
+    out = {}
+    for name, extra in jobs.items():
+        output = tmp_path_factory.mktemp(name)
+        out[name] = (output, *_run(output, *extra))
+    return out
+
+
+def test_tp_head_trains_the_single_process_losses(runs):
+    _, single, _ = runs["single"]
+    _, split, stdout = runs["tp2"]
+    assert "accel: mesh dp 1 x tp 2 (2 processes)" in stdout
+    assert "11 classes over tp 2: the classifier is padded to 12 rows" in stdout
+    np.testing.assert_allclose(split["losses"][:5], single["losses"][:5], rtol=1e-5)
+    np.testing.assert_allclose(split["eval_loss"], single["eval_loss"], rtol=1e-5)
+    assert split["eval_acc"] == single["eval_acc"]  # top-1 from the shards' best
+    assert split["tp_head"] == 2 and split["global_batch_size"] == single["global_batch_size"]
+    classifier = split["state_bytes"]["classifier"] / single["state_bytes"]["classifier"]
+    assert classifier <= 6 / 11 + 1e-6  # 6 of 11 rows: half, and the padding row
+
+
+def test_dp2_by_tp2_trains_the_ddp_losses(runs):
+    _, ddp, _ = runs["ddp2"]
+    _, mesh, stdout = runs["dp2xtp2"]
+    assert "accel: mesh dp 2 x tp 2 (4 processes)" in stdout
+    np.testing.assert_allclose(mesh["losses"][:5], ddp["losses"][:5], rtol=1e-5)
+    np.testing.assert_allclose(mesh["eval_loss"], ddp["eval_loss"], rtol=1e-5)
+
+
+def test_tp_checkpoint_is_the_ordinary_format_and_resumes_exactly(runs, tmp_path):
+    output, split, _ = runs["tp2"]
+    checkpoints = output / "vit_micro" / "eager" / "r" / "checkpoints"
+    saved = torch.load(checkpoints / "step_00000006.pt", weights_only=False)
+    assert saved["backend"]["model"]["model.head.weight"].shape == (11, 64)
+    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.pt"))
+    np.testing.assert_allclose(plain["eval_loss"], split["eval_loss"], rtol=1e-5)
+    resumed, _ = _run(
+        tmp_path / "resumed",
+        *("--nproc_per_node", "2", "--tp_head", "2"),
+        *("--resume", str(checkpoints / "step_00000002.pt")),
+    )
+    assert resumed["losses"] == split["losses"]
+
+
+class LargestExtent(TorchDispatchMode):
+    """The longest axis of any tensor an op returned while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, tuple | list) else (out,):
+            if isinstance(t, torch.Tensor) and t.dim():
+                self.largest = max(self.largest, max(t.shape))
+        return out
+
+
+class Classifier(nn.Module):
+    """A feature layer and a 1,000,000-class head, found the way timm models expose theirs."""
+
+    def __init__(self, features: int, classes: int):
+        super().__init__()
+        self.body = nn.Linear(features, features)
+        self.head = nn.Linear(features, classes)
+
+    def get_classifier(self) -> nn.Linear:
+        return self.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.body(x))
+
+
+def _million_class_rank(rank: int, port: int, result: Path) -> None:
+    """One step's forward and backward through a 1,000,000-class head split over 2 ranks."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(0)
+        classes, features, batch = 1_000_000, 192, 4
+        model = Classifier(features, classes)
+        layout = tp_head.TPLayout.build(2, "cpu")
+        full_bytes = fsdp.local_bytes(list(model.head.parameters()))
+        head = tp_head.shard_classifier(model, layout)
+        targets = torch.full((batch, classes), 0.1 / classes)
+        targets[torch.arange(batch), torch.arange(batch)] += 0.9
+        x = torch.randn(batch, features)
+        with LargestExtent() as seen:
+            loss = tp_head.soft_target_loss(model(x), targets, head)
+            loss.backward()
+        record = {
+            "largest": seen.largest,
+            "head_bytes": fsdp.local_bytes(list(head.parameters())),
+            "full_bytes": full_bytes,
+            "loss": loss.item(),
+        }
+        (result / f"rank{rank}.json").write_text(json.dumps(record))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path):
+    mp.start_processes(_million_class_rank, args=(29571, tmp_path), nprocs=2, start_method="spawn")
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    classes = 1_000_000
+    for r in ranks:
+        assert r["head_bytes"] <= 0.5 * r["full_bytes"] + 1024
+        # No tensor made in the step spans more than half the classes: the logits, their
+        # softmax and the head's gradient are all (.., classes / 2); full logits would not be.
+        assert r["largest"] == classes // 2
+    assert ranks[0]["loss"] == ranks[1]["loss"]  # reduced over the shards: one value
