@@ -15,6 +15,7 @@ BACKENDS = ("eager", "compile", "xla", "jax")
 AMP_LEVELS = ("O0", "O1", "O2", "O3")
 NAN_POLICIES = ("skip", "stop")
 SHARD_MODES = ("none", "full", "grad_op")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 
 
 class ConfigError(ValueError):
@@ -47,6 +48,9 @@ class RunConfig:
     remat: bool = False  # recompute activations in the backward (less memory, more compute)
     shard: str = "none"  # split weights, gradients and optimizer state over the replicas
     tp_head: int = 1  # ranks the classifier's classes are split over (tensor parallel)
+    pp: int = 1  # pipeline stages the model is cut into
+    pp_schedule: str = "1f1b"  # gpipe, 1f1b or interleaved (two stages a rank)
+    pp_microbatches: int = 4  # micro-batches a batch streams through the pipeline in
     seed: int = 0
     output: str = "runs"
     run_name: str = ""

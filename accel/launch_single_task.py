@@ -25,6 +25,7 @@ from accel.config import (  # noqa: E402
     AMP_LEVELS,
     BACKENDS,
     NAN_POLICIES,
+    PP_SCHEDULES,
     SHARD_MODES,
     ConfigError,
     OptimConfig,
@@ -37,6 +38,7 @@ from accel.distributed import (  # noqa: E402
     init_process_group,
     launched_by_torchrun,
 )
+from accel.parallel.mesh import check_mesh, mesh_lines  # noqa: E402
 from accel.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from data.collate import MixupConfig  # noqa: E402
 from data.folder import BadImageError, DatasetError  # noqa: E402
@@ -131,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="split the classifier's classes over N ranks (eager, compile): a dp x tp mesh of "
         "--nproc_per_node processes; logits and loss stay split",
+    )
+    p.add_argument(
+        "--pp", type=int, default=1, help="cut a ViT into N pipeline stages (eager): dp x pp mesh"
+    )
+    p.add_argument("--pp_schedule", choices=PP_SCHEDULES, default="1f1b")
+    p.add_argument(
+        "--pp_microbatches", type=int, default=4, help="micro-batches per batch in the pipeline"
     )
     p.add_argument("--mixup", type=float, default=0.0, help="mixup alpha (0 = off)")
     p.add_argument("--cutmix", type=float, default=0.0, help="cutmix alpha (0 = off)")
@@ -256,6 +265,9 @@ def config_from_args(args: argparse.Namespace, backend: str) -> RunConfig:
         remat=args.remat,
         shard=args.shard,
         tp_head=args.tp_head,
+        pp=args.pp,
+        pp_schedule=args.pp_schedule,
+        pp_microbatches=args.pp_microbatches,
         seed=args.seed,
         output=args.output,
         run_name=args.run_name,
@@ -289,39 +301,8 @@ def validate(cfg: RunConfig) -> ModuleType:
     if not cfg.data.is_synthetic:
         dataset_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
     _check_gpu_count(cfg)
-    _check_mesh(cfg)
+    check_mesh(cfg)
     return backend_module(cfg.backend)  # raises BackendUnavailable with the install command
-
-
-def _check_mesh(cfg: RunConfig) -> None:
-    tp, procs = cfg.tp_head, cfg.nproc_per_node
-    if tp < 1:
-        raise ConfigError(f"--tp_head must be >= 1, got {tp}")
-    if tp == 1:
-        return
-    if cfg.backend not in ("eager", "compile"):
-        raise ConfigError(f"--tp_head splits the classifier on eager or compile, not {cfg.backend}")
-    if cfg.shard != "none":
-        raise ConfigError("--tp_head and --shard cannot be combined")
-    if procs % tp:
-        raise ConfigError(f"--nproc_per_node {procs} is not divisible by --tp_head {tp}")
-
-
-def mesh_lines(cfg: RunConfig) -> list[str]:
-    """What the launcher says about the process mesh, and the padding of a split classifier."""
-    tp = cfg.tp_head
-    if tp == 1:
-        return []
-    procs = cfg.nproc_per_node
-    lines = [f"mesh dp {procs // tp} x tp {tp} ({procs} processes)"]
-    classes = dataset_num_classes(cfg.data)
-    padded = -(-classes // tp) * tp
-    if padded != classes:
-        lines.append(
-            f"{classes} classes over tp {tp}: the classifier is padded to {padded} rows, "
-            f"the {padded - classes} padded classes masked out of the softmax"
-        )
-    return lines
 
 
 def _check_gpu_count(cfg: RunConfig) -> None:

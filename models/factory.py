@@ -43,10 +43,11 @@ class ImageClassifier(nn.Module):
     def input_size(self) -> tuple[int, int, int]:
         return tuple(self.model.pretrained_cfg["input_size"])
 
+    def normalise(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.to(self.mean.dtype) - self.mean) * self.inv_scale
+
     def forward(self, images: torch.Tensor) -> torch.Tensor:
-        dtype = self.mean.dtype
-        x = (images.to(dtype) - self.mean) * self.inv_scale
-        return self.model(x)
+        return self.model(self.normalise(images))
 
 
 def known_models() -> list[str]:

@@ -42,6 +42,17 @@ def vit_micro(pretrained: bool = False, **kwargs) -> VisionTransformer:
 
 
 @register_model
+def vit_micro_d4(pretrained: bool = False, **kwargs) -> VisionTransformer:
+    """vit_micro with 4 blocks: enough to cut into 4 pipeline stages."""
+    kwargs = _model_kwargs(kwargs)
+    model = VisionTransformer(
+        patch_size=4, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0, **kwargs
+    )
+    model.pretrained_cfg = _micro_cfg(architecture="vit_micro_d4")
+    return model
+
+
+@register_model
 def swin_micro(pretrained: bool = False, **kwargs) -> SwinTransformer:
     """Swin with 2x2 patches, 4x4 windows on 32x32 images, two stages (about 75k parameters)."""
     kwargs = _model_kwargs(kwargs)

@@ -34,6 +34,10 @@ def require() -> None:
 
 
 def build(cfg: RunConfig, ctx: DistContext) -> EagerBackend:
+    if cfg.pp > 1:
+        from accel.parallel.pipeline import PipelineBackend  # it builds on this module
+
+        return PipelineBackend(cfg, ctx)
     return EagerBackend(cfg, ctx)
 
 

@@ -34,6 +34,14 @@ def _one_line_error(result, *needles):
         (["--backend", "jax", "--tp_head", "2"], ["--tp_head", "not jax"]),
         (["--nproc_per_node", "3", "--tp_head", "2"], ["--nproc_per_node 3", "--tp_head 2"]),
         (["--tp_head", "2", "--shard", "full"], ["--tp_head and --shard"]),
+        (["--nproc_per_node", "2", "--model", "swin_micro", "--pp", "2"], ["--pp cuts", "swin"]),
+        (["--nproc_per_node", "4", "--pp", "4"], ["--pp 4", "4 stages", "vit_micro has 2 blocks"]),
+        (["--nproc_per_node", "3", "--pp", "2"], ["--nproc_per_node 3", "--pp 2"]),
+        (
+            ["--nproc_per_node", "2", "--pp", "2", "--pp_microbatches", "3"],
+            ["--batch_size 32", "--pp_microbatches 3"],
+        ),
+        (["--backend", "compile", "--pp", "2"], ["--pp runs on eager, not compile"]),
     ],
 )
 def test_bad_input_is_one_line_exit_2(args, needles):
