@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from accel.config import ConfigError
+
 PATTERN = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 META = "meta.pt"
 
@@ -94,6 +96,31 @@ def save_sharded(
 
 def is_sharded(path: Path) -> bool:
     return Path(path).is_dir()
+
+
+def writes_shards(backend: Any) -> bool:
+    """FSDP runs save through torch.distributed.checkpoint, each rank its own shards; jax
+    gathers its sharded arrays into the usual single file."""
+    sharded = getattr(backend, "shard", "none") != "none"
+    return sharded and hasattr(backend, "dcp_state_dict")
+
+
+def allow_other_world_size(mismatches: list[str]) -> list[str]:
+    """A sharded checkpoint loads resharded at another world size: warn, drop that mismatch."""
+    for m in mismatches:
+        if m.startswith("world_size"):
+            warnings.warn(
+                f"resuming a sharded checkpoint at another {m}: the weights and optimizer "
+                "state load resharded; the data order differs from the saved run's",
+                stacklevel=3,
+            )
+    return [m for m in mismatches if not m.startswith("world_size")]
+
+
+def load_sharded_into(backend: Any, path: Path) -> None:
+    if not hasattr(backend, "load_dcp_state_dict"):
+        raise ConfigError(f"{path} is a sharded checkpoint: resume it on eager or compile")
+    backend.load_dcp_state_dict(load_sharded(path, backend.dcp_state_dict()))
 
 
 def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:

@@ -167,48 +167,24 @@ class Trainer:
         return self.host_batch * self.data_ranks * self.cfg.optim.grad_accum
 
     # --- checkpoints --------------------------------------------------------------------------
-    @property
-    def writes_shards(self) -> bool:
-        """FSDP runs save through torch.distributed.checkpoint, each rank its own shards; jax
-        gathers its sharded arrays into the usual single file."""
-        sharded = getattr(self.backend, "shard", "none") != "none"
-        return sharded and hasattr(self.backend, "dcp_state_dict")
-
     def resume(self) -> None:
         path = self._resume_path()
         if path is None:
             return
         saved = ckpt.load_checkpoint(path)
         mismatches = ckpt.resume_mismatches(saved["config"], self._resume_identity())
-        sharded = ckpt.is_sharded(path)
-        if sharded:  # resharded on load: another world size gives another data order only
-            self._warn_other_world_size(mismatches)
-            mismatches = [m for m in mismatches if not m.startswith("world_size")]
+        if ckpt.is_sharded(path):  # resharded on load: another world size is allowed
+            mismatches = ckpt.allow_other_world_size(mismatches)
         if mismatches:
             raise ConfigError(f"cannot resume from {path}: {'; '.join(mismatches)}")
-        if sharded:
-            self._load_sharded(path)
+        if ckpt.is_sharded(path):
+            ckpt.load_sharded_into(self.backend, path)
         else:
             self.backend.load_state_dict(saved["backend"])
         self.state = LoopState(**saved["loop"])
         self.tracker = SkipTracker(self.state, self.logger)
         self._load_rng_states(saved["rng"])
         self.logger.info(f"resumed from {path} at step {self.state.step}")
-
-    def _warn_other_world_size(self, mismatches: list[str]) -> None:
-        for m in mismatches:
-            if m.startswith("world_size"):
-                warnings.warn(
-                    f"resuming a sharded checkpoint at another {m}: the weights and optimizer "
-                    "state load resharded; the data order differs from the saved run's",
-                    stacklevel=3,
-                )
-
-    def _load_sharded(self, path) -> None:
-        if not hasattr(self.backend, "load_dcp_state_dict"):
-            raise ConfigError(f"{path} is a sharded checkpoint: resume it on eager or compile")
-        template = self.backend.dcp_state_dict()
-        self.backend.load_dcp_state_dict(ckpt.load_sharded(path, template))
 
     def _resume_identity(self) -> dict[str, Any]:
         # The data order follows the data-parallel replicas (a tp group counts once).
@@ -235,7 +211,7 @@ class Trainer:
             "config": self._resume_identity(),
         }
         run_dir, step, keep = self.cfg.run_dir(), self.state.step, self.cfg.keep_checkpoints
-        if self.writes_shards:
+        if ckpt.writes_shards(self.backend):
             tensors = self.backend.dcp_state_dict()
             path = ckpt.save_sharded(run_dir, step, tensors, meta, keep)
         elif self.ctx.is_main or getattr(self.backend, "gathers_state", False):

@@ -62,6 +62,18 @@ def write_result(name: str, record: dict) -> Path:
     return path
 
 
+def launch_summary(flags: list[str], out: Path, run_name: str) -> dict | None:
+    """Run launch_single_task with `flags` (which name --model, and --backend where not eager)
+    into `out`; its summary.json, or None (with the end of its stderr printed) if it failed."""
+    argv = [sys.executable, "-m", "accel.launch_single_task", *flags]
+    argv += ["--output", str(out), "--run_name", run_name]
+    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    if result.returncode != 0:
+        print(result.stderr[-2000:], file=sys.stderr)
+        return None
+    return json.loads(next(out.glob(f"*/*/{run_name}/summary.json")).read_text())
+
+
 KEEP = (
     "images_per_sec",
     "time_to_first_step_s",

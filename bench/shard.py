@@ -14,8 +14,6 @@ bench/results/<tag>.json with the device and versions.
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -23,25 +21,22 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from bench.compare_backends import write_result  # noqa: E402
+from bench.compare_backends import launch_summary, write_result  # noqa: E402
 
 
 def run_job(model: str, procs: int, shard: str, args: argparse.Namespace, out: Path) -> dict:
-    run_name = f"{model}-{procs}-{shard}"
-    argv = [
-        *(sys.executable, "-m", "accel.launch_single_task", "--backend", args.backend),
-        *("--model", model, "--nproc_per_node", str(procs), "--shard", shard),
+    flags = [
+        *("--backend", args.backend, "--model", model),
+        *("--nproc_per_node", str(procs), "--shard", shard),
         *("--batch_size", str(args.batch_size), "--steps", str(args.steps)),
         *("--amp_level", args.amp_level, "--workers", "0", "--no-eval"),
-        *("--log_every", str(args.steps), "--output", str(out), "--run_name", run_name),
+        *("--log_every", str(args.steps)),
         *(("--img_size", str(args.img_size)) if args.img_size else ()),
     ]
-    result = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True)
+    summary = launch_summary(flags, out, f"{model}-{procs}-{shard}")
     row = {"model": model, "procs": procs, "shard": shard}
-    if result.returncode != 0:
-        print(result.stderr[-2000:], file=sys.stderr)
-        return {**row, "error": result.returncode}
-    summary = json.loads((out / model / args.backend / run_name / "summary.json").read_text())
+    if summary is None:
+        return {**row, "error": True}
     state = summary["state_bytes"]
     return {
         **row,

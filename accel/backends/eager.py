@@ -115,9 +115,9 @@ class EagerBackend:
         if self.cfg.remat:
             model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
         dtype = torch.float32 if self.amp.master_weights and not self.separate_masters else None
+        if self.tp:  # on the host, before the move: the whole classifier never reaches the device
+            self.head = tp_head.shard_classifier(model.model, self.tp)
         self.module = model.to(self.device, dtype=dtype or self.amp.param_dtype)
-        if self.tp:
-            self.head = tp_head.shard_classifier(self.module.model, self.tp)
         self.model = self.wrap_model(self.module)
         self.params = [p for p in self.module.parameters() if p.requires_grad]
         self.optimizer = self.make_optimizer(
