@@ -88,8 +88,8 @@ class EncodedCollate:
 
 class DeviceDecoder:
     """Turns EncodedCollate batches into the loader's ordinary batches (uint8 images, soft
-    targets), decoded on `device`. `fallback(key)` is the CPU path's sample for a key: the
-    keyed dataset with CPU decoding, which skips unreadable files or stops on them."""
+    targets), decoded on `device`. `fallback[key]` is the CPU path's sample for a key: a keyed
+    dataset decoding on the CPU, which skips unreadable files or stops on them."""
 
     def __init__(self, device: torch.device, size: int, collate: TrainCollate, fallback):
         self.device = device
@@ -105,11 +105,10 @@ class DeviceDecoder:
         decoded = dict(zip(jpegs, self.decode(datas), strict=True))
         crops = []
         for i, item in enumerate(items):
-            image = decoded.get(i)
-            if isinstance(item, EncodedJpeg) and image is not None:
-                crops.append(self.crop(image, item))
+            if decoded.get(i) is not None:
+                crops.append(self.crop(decoded[i], item))
                 continue
-            if isinstance(item, EncodedJpeg):  # refused here: the CPU path decides
+            if i in decoded:  # the device decoder refused it: the CPU path decides
                 item, labels[i], more, _ = self.fallback[batch["keys"][i]]
                 skipped.extend(more)
             crops.append(item.to(self.device))

@@ -126,7 +126,8 @@ class EagerBackend:
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
         if self.shard != "none":
-            fsdp.shard_model(module, fsdp.transformer_blocks(module.model), self.shard, self.amp)
+            blocks = fsdp.transformer_blocks(module.model)
+            fsdp.shard_model(module, blocks, self.shard, self.amp, self.device.type)
             return module
         if self.data_parallel[1] < 2:
             return module

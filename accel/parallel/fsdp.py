@@ -9,8 +9,10 @@ import warnings
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -38,11 +40,20 @@ def mixed_precision(amp: AmpPolicy) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_model(module: nn.Module, blocks: list[nn.Module], mode: str, amp: AmpPolicy) -> None:
-    """fully_shard each block, then the root (the embeddings, norm and head). `grad_op` keeps
-    each unit's gathered weights from the forward to the backward (ZeRO-2's memory for one
-    all-gather less a step); `full` frees them after the forward."""
-    kwargs = {"mp_policy": mixed_precision(amp), "reshard_after_forward": mode == "full"}
+def shard_model(
+    module: nn.Module, blocks: list[nn.Module], mode: str, amp: AmpPolicy, device_type: str
+) -> None:
+    """fully_shard each block, then the root (the embeddings, norm and head), over all ranks.
+    `grad_op` keeps each unit's gathered weights from the forward to the backward (ZeRO-2's
+    memory for one all-gather less a step); `full` frees them after the forward."""
+    # An explicit mesh: FSDP's default asks torch for "the" accelerator, which fails in a
+    # process where torch_xla has registered itself without one.
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mixed_precision(amp),
+        "reshard_after_forward": mode == "full",
+    }
     if not blocks:
         warnings.warn(
             "sharding: the model has no blocks to wrap one by one; sharded as one unit",

@@ -60,6 +60,8 @@ def _check_pipeline(cfg: RunConfig) -> None:
         )
     if cfg.amp_level != "O0" and cfg.amp_dtype == "float16":
         raise ConfigError("--pp trains in bfloat16 or fp32 (--amp_dtype bfloat16)")
+    if cfg.remat:
+        raise ConfigError("--pp does not recompute activations (--remat)")
 
 
 def mesh_lines(cfg: RunConfig) -> list[str]:

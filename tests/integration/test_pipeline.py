@@ -5,8 +5,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch.multiprocessing as mp
 
+from models.factory import ModelConfig
+from tests import nan_model
 from tests.helpers import read_summary, run_cli
+from tests.integration.test_nan_policy import _config as _nan_config
+from tests.integration.test_nan_policy import _same, _state
+from tests.integration.test_sharded import _nan_rank
 
 pytestmark = pytest.mark.slow
 
@@ -74,3 +80,21 @@ def test_autocast_reaches_every_stages_weights(tmp_path):
     single, _ = _run(tmp_path / "single", "--amp_level", "O1", "--steps", "3")
     piped, _ = _run(tmp_path / "piped", *PIPELINE, "--amp_level", "O1", "--steps", "3")
     np.testing.assert_allclose(piped["losses"], single["losses"], rtol=2e-3)
+
+
+def test_a_non_finite_step_is_skipped_on_every_stage(tmp_path, one_white_image):
+    """--nan_policy skip through the pipeline: the loss of the batch with the white image is
+    NaN on the last stage only; every stage leaves its weights and AdamW state as they were."""
+    cfg = _nan_config(tmp_path, "eager", one_white_image, nan_policy="skip")
+    cfg.model = ModelConfig(nan_model.PIPELINE_NAME)
+    cfg.nproc_per_node, cfg.pp, cfg.pp_microbatches = 2, 2, 2
+    mp.start_processes(_nan_rank, args=(cfg, 29581), nprocs=2, start_method="spawn")
+    summary = read_summary(tmp_path)
+    steps = summary["nonfinite_steps"]
+    assert len(steps) == 2 and summary["steps"] == 8
+    checkpoints = cfg.run_dir() / "checkpoints"
+    states = {s: _state(checkpoints / f"step_{s:08d}.pt") for s in range(1, 9)}
+    for step in (s for s in steps if s > 1):
+        assert _same(states[step], states[step - 1]), step
+    applied = next(s for s in range(2, 9) if s not in steps)
+    assert not _same(states[applied], states[applied - 1])

@@ -193,5 +193,5 @@ def test_blocks_are_found_per_model_and_a_model_without_them_is_wrapped_whole(on
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     assert fsdp.transformer_blocks(flat) == []
     with pytest.warns(UserWarning, match="no blocks to wrap one by one; sharded as one unit"):
-        fsdp.shard_model(flat, [], "full", amp_policy("O0"))
+        fsdp.shard_model(flat, [], "full", amp_policy("O0"), "cpu")
     assert type(flat).__name__.startswith("FSDP")
