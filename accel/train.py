@@ -173,11 +173,12 @@ class Trainer:
             return
         saved = ckpt.load_checkpoint(path)
         mismatches = ckpt.resume_mismatches(saved["config"], self._resume_identity())
-        if ckpt.is_sharded(path):  # resharded on load: another world size is allowed
+        sharded = ckpt.is_sharded(path)
+        if sharded:  # resharded on load: another world size is allowed
             mismatches = ckpt.allow_other_world_size(mismatches)
         if mismatches:
             raise ConfigError(f"cannot resume from {path}: {'; '.join(mismatches)}")
-        if ckpt.is_sharded(path):
+        if sharded:
             ckpt.load_sharded_into(self.backend, path)
         else:
             self.backend.load_state_dict(saved["backend"])

@@ -30,26 +30,24 @@ def _model_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
+def _micro_vit(architecture: str, depth: int, kwargs: dict) -> VisionTransformer:
+    model = VisionTransformer(
+        patch_size=4, embed_dim=64, depth=depth, num_heads=2, mlp_ratio=2.0, **_model_kwargs(kwargs)
+    )
+    model.pretrained_cfg = _micro_cfg(architecture=architecture)
+    return model
+
+
 @register_model
 def vit_micro(pretrained: bool = False, **kwargs) -> VisionTransformer:
     """ViT with 4x4 patches on 32x32 images, width 64, depth 2 (about 75k parameters)."""
-    kwargs = _model_kwargs(kwargs)
-    model = VisionTransformer(
-        patch_size=4, embed_dim=64, depth=2, num_heads=2, mlp_ratio=2.0, **kwargs
-    )
-    model.pretrained_cfg = _micro_cfg(architecture="vit_micro")
-    return model
+    return _micro_vit("vit_micro", 2, kwargs)
 
 
 @register_model
 def vit_micro_d4(pretrained: bool = False, **kwargs) -> VisionTransformer:
     """vit_micro with 4 blocks: enough to cut into 4 pipeline stages."""
-    kwargs = _model_kwargs(kwargs)
-    model = VisionTransformer(
-        patch_size=4, embed_dim=64, depth=4, num_heads=2, mlp_ratio=2.0, **kwargs
-    )
-    model.pretrained_cfg = _micro_cfg(architecture="vit_micro_d4")
-    return model
+    return _micro_vit("vit_micro_d4", 4, kwargs)
 
 
 @register_model

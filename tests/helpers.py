@@ -73,6 +73,13 @@ def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subproce
     )
 
 
+def train_cli(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
+    """A launch_single_task run named 'r' that must succeed: its summary.json and stdout."""
+    result = run_cli(*args, "--output", str(output), "--run_name", "r", env=env)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return read_summary(output), result.stdout
+
+
 def run_cli_without(package: str, *args: str) -> subprocess.CompletedProcess:
     """launch_single_task in a process where `package` cannot be imported (as if not installed)."""
     code = (

@@ -17,6 +17,12 @@ NAME = "vit_micro_nan_on_white"
 WHITE = 2.0
 
 
+def nan_if_white(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """`out`, all NaN when the normalised batch `x` holds an all-white image."""
+    white = (x.flatten(1).amin(1) > WHITE).any()
+    return torch.where(white, torch.full_like(out, float("nan")), out)
+
+
 class NanOnWhite(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -24,9 +30,7 @@ class NanOnWhite(nn.Module):
         self.pretrained_cfg = model.pretrained_cfg
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        logits = self.model(x)
-        white = (x.flatten(1).amin(1) > WHITE).any()
-        return torch.where(white, torch.full_like(logits, float("nan")), logits)
+        return nan_if_white(x, self.model(x))
 
 
 @register_model
@@ -44,9 +48,7 @@ class NanOnWhitePatches(nn.Module):
         self.num_patches = embed.num_patches
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.embed(x)
-        white = (x.flatten(1).amin(1) > WHITE).any()
-        return torch.where(white, torch.full_like(out, float("nan")), out)
+        return nan_if_white(x, self.embed(x))
 
 
 PIPELINE_NAME = "vit_micro_d4_nan_on_white"

@@ -24,6 +24,7 @@ from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
 from accel.parallel import effective_shard, fsdp, tp_head
+from accel.parallel.layout import MeshLayout
 from models.factory import ImageClassifier
 
 KERNEL_OPTS = "nothing more: AdamW is always the fused one, which skips non-finite steps itself"
@@ -97,7 +98,7 @@ class EagerBackend:
         self.tp = None  # the dp x tp layout of --tp_head
         self.data_parallel = (ctx.rank, ctx.world_size)  # (rank, ranks) the data is split over
         if cfg.tp_head > 1:
-            self.tp = tp_head.TPLayout.build(cfg.tp_head, self.device.type)
+            self.tp = MeshLayout.build("tp", cfg.tp_head, self.device.type)
             self.data_parallel = (self.tp.dp_rank, self.tp.dp)
         self.scaler = torch.amp.GradScaler(
             "cuda", enabled=self.amp.loss_scaling and self.device.type == "cuda"
@@ -123,6 +124,8 @@ class EagerBackend:
         self.optimizer = self.make_optimizer(
             weight_decay_groups(self.module, self.cfg.optim.weight_decay)
         )
+        if self.tp:  # read by every step's gradient norm
+            self.head_ids = {id(q) for _, _, _, q in self.head_entries()}
 
     def wrap_model(self, module: nn.Module) -> nn.Module:
         if self.shard != "none":
@@ -245,7 +248,7 @@ class EagerBackend:
         """The total gradient norm, clipping the gradients to --clip_grad where it is set."""
         params, clip = self.optimizer_params, self.cfg.optim.clip_grad
         if self.tp:
-            norm = tp_head.grad_norm(params, self.head_ids, self.tp.tp_group)
+            norm = tp_head.grad_norm(params, self.head_ids, self.tp.group)
             if clip > 0:
                 torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
             return norm
@@ -283,10 +286,6 @@ class EagerBackend:
         return [self.master[p] if self.separate_masters else p for p in head.parameters()]
 
     # --- the tensor-parallel head's place in the optimizer and the checkpoint ----------------
-    @property
-    def head_ids(self) -> set[int]:
-        return {id(q) for _, _, _, q in self.head_entries()}
-
     def head_entries(self) -> list[tuple[str, int, torch.Tensor, torch.Tensor]]:
         """(name, optimizer index, parameter, what the optimizer updates) of the head's
         weight and bias."""
@@ -341,12 +340,7 @@ class EagerBackend:
         sums = torch.zeros(3, device=self.device)
         for batch in batches:
             images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
-            with self.autocast():
-                logits = self.module(images)
-            if self.tp:
-                sums += tp_head.eval_sums(logits, labels, mask, self.head)
-            else:
-                sums += eval_sums(logits, labels, mask)
+            sums += self.batch_eval_sums(images, labels, mask)
             self.step_done()
         self.module.train()
         loss_sum, correct, count = self.host_values(self.all_reduce_sum(sums))
@@ -356,6 +350,16 @@ class EagerBackend:
             "eval_acc": correct / count,
             "eval_images": int(count),
         }
+
+    def batch_eval_sums(
+        self, images: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        """[loss sum, correct, count] of one evaluation batch on this rank."""
+        with self.autocast():
+            logits = self.module(images)
+        if self.tp:
+            return tp_head.eval_sums(logits, labels, mask, self.head)
+        return eval_sums(logits, labels, mask)
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Summed over the data-parallel ranks (a tp group's ranks hold the same sums)."""
@@ -435,7 +439,7 @@ class EagerBackend:
             "compiles_after_warmup": 0,
             "fallback_ops": {},
             "shard": self.shard,
-            "tp_head": self.tp.tp if self.tp else 1,
+            "tp_head": self.tp.size if self.tp else 1,
             "state_bytes": self.state_bytes,
         }
         if self.device.type == "cuda":

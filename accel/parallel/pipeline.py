@@ -13,14 +13,11 @@ import contextlib
 import copy
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.pipelining import (
     PipelineStage,
     Schedule1F1B,
@@ -32,29 +29,11 @@ from accel.backends.eager import EagerBackend, eval_sums, soft_target_loss, to_c
 from accel.config import RunConfig
 from accel.distributed import DistContext
 from accel.optim import weight_decay_groups
+from accel.parallel.layout import MeshLayout
 from models.factory import ImageClassifier
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 PREFIX = "classifier."  # a stage's parameter names are the full model's behind this
-
-
-@dataclass(frozen=True)
-class PPLayout:
-    pp: int
-    dp: int
-    pp_rank: int
-    dp_rank: int
-    pp_group: Any
-    dp_group: Any
-    pp_ranks: list[int]  # global ranks of this pipeline, in stage order
-
-    @classmethod
-    def build(cls, pp: int, device_type: str) -> PPLayout:
-        world, rank = dist.get_world_size(), dist.get_rank()
-        mesh = init_device_mesh(device_type, (world // pp, pp), mesh_dim_names=("dp", "pp"))
-        group = mesh.get_group("pp")
-        ranks = dist.get_process_group_ranks(group)
-        return cls(pp, world // pp, rank % pp, rank // pp, group, mesh.get_group("dp"), ranks)
 
 
 def stage_blocks(depth: int, stages: int) -> list[range]:
@@ -122,7 +101,7 @@ class PipelineBackend(EagerBackend):
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         super().__init__(cfg, ctx)
-        self.pp = PPLayout.build(cfg.pp, self.device.type)
+        self.pp = MeshLayout.build("pp", cfg.pp, self.device.type)
         self.data_parallel = (self.pp.dp_rank, self.pp.dp)
 
     # --- set-up -------------------------------------------------------------------------------
@@ -143,10 +122,10 @@ class PipelineBackend(EagerBackend):
 
     def build_stages(self, model: ImageClassifier) -> list[ViTStage]:
         virtual = 2 if self.cfg.pp_schedule == "interleaved" else 1
-        count = self.pp.pp * virtual
+        count = self.pp.size * virtual
         ranges = stage_blocks(len(model.model.blocks), count)
         self.num_stages = count
-        self.stage_ids = [self.pp.pp_rank + k * self.pp.pp for k in range(virtual)]
+        self.stage_ids = [self.pp.rank + k * self.pp.size for k in range(virtual)]
         embed = model.model.patch_embed
         self.activation = (embed.num_patches + model.model.num_prefix_tokens, model.model.embed_dim)
         stages = []
@@ -157,7 +136,7 @@ class PipelineBackend(EagerBackend):
 
     def build_schedule(self):
         pipes = [
-            GlooSafeStage(stage, s, self.num_stages, self.device, group=self.pp.pp_group)
+            GlooSafeStage(stage, s, self.num_stages, self.device, group=self.pp.group)
             for stage, s in zip(self.stages, self.stage_ids, strict=True)
         ]
         scale = self.cfg.pp_microbatches * self.cfg.optim.grad_accum
@@ -216,7 +195,7 @@ class PipelineBackend(EagerBackend):
         torch._foreach_div_(grads, self.pp.dp)
 
     def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(value, group=self.pp.pp_group)  # only the last stage holds the loss
+        dist.all_reduce(value, group=self.pp.group)  # only the last stage holds the loss
         if self.pp.dp > 1:
             dist.all_reduce(value, group=self.pp.dp_group)
             value /= self.pp.dp
@@ -227,7 +206,7 @@ class PipelineBackend(EagerBackend):
         params = self.optimizer_params
         grads = [p.grad for p in params if p.grad is not None]
         square = torch.nn.utils.get_total_norm(grads) ** 2
-        dist.all_reduce(square, group=self.pp.pp_group)
+        dist.all_reduce(square, group=self.pp.group)
         norm = square.sqrt()
         if self.cfg.optim.clip_grad > 0:
             torch.nn.utils.clip_grads_with_norm_(params, self.cfg.optim.clip_grad, norm)
@@ -237,29 +216,18 @@ class PipelineBackend(EagerBackend):
         return []
 
     # --- evaluation: the stages in turn, activations sent point to point ----------------------
-    @torch.no_grad()
-    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
-        self.module.eval()
-        sums = torch.zeros(3, device=self.device)
-        for batch in batches:
-            images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
-            with self.autocast():
-                logits = self.forward_only(images)
-            if self.is_last:
-                sums += eval_sums(logits, labels, mask)
-        self.module.train()
-        dist.all_reduce(sums, group=self.pp.pp_group)
-        loss_sum, correct, count = self.host_values(self.all_reduce_sum(sums))
-        count = max(count, 1.0)
-        return {
-            "eval_loss": loss_sum / count,
-            "eval_acc": correct / count,
-            "eval_images": int(count),
-        }
+    def batch_eval_sums(
+        self, images: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+    ) -> torch.Tensor:
+        with self.autocast():
+            logits = self.forward_only(images)
+        if self.is_last:
+            return eval_sums(logits, labels, mask)
+        return torch.zeros(3, device=self.device)
 
     def forward_only(self, images: torch.Tensor) -> torch.Tensor | None:
         """The last stage's output on the rank that holds it, None elsewhere."""
-        x, ranks, shape = None, self.pp.pp_ranks, (images.shape[0], *self.activation)
+        x, ranks, shape = None, self.pp.ranks, (images.shape[0], *self.activation)
         for s in range(self.num_stages):
             if s not in self.stage_ids:
                 continue
@@ -267,14 +235,15 @@ class PipelineBackend(EagerBackend):
                 x = images
             else:
                 x = torch.empty(shape, device=self.device)
-                dist.recv(x, src=ranks[(s - 1) % self.pp.pp])
+                dist.recv(x, src=ranks[(s - 1) % self.pp.size])
                 x = x.to(self.amp.param_dtype)
             x = self.stages[self.stage_ids.index(s)](x)
             if s < self.num_stages - 1:
-                dist.send(x.float().contiguous(), dst=ranks[(s + 1) % self.pp.pp])
+                dist.send(x.float().contiguous(), dst=ranks[(s + 1) % self.pp.size])
         return x if self.is_last else None
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(value, group=self.pp.group)  # only the last stage holds the sums
         if self.pp.dp > 1:
             dist.all_reduce(value, group=self.pp.dp_group)
         return value
@@ -297,8 +266,8 @@ class PipelineBackend(EagerBackend):
             name: (q.detach().cpu().float(), to_cpu(self.optimizer.state.get(q, {})))
             for name, _, q in self.entries()
         }
-        parts: list = [None] * self.pp.pp
-        dist.all_gather_object(parts, mine, group=self.pp.pp_group)
+        parts: list = [None] * self.pp.size
+        dist.all_gather_object(parts, mine, group=self.pp.group)
         merged = {name: item for part in parts for name, item in part.items()}
         state = {self.full_order[name]: moments for name, (_, moments) in merged.items() if moments}
         return {

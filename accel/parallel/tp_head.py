@@ -11,32 +11,11 @@ targets only (mixup and label smoothing need soft ones).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any
-
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 
-
-@dataclass(frozen=True)
-class TPLayout:
-    tp: int
-    dp: int
-    tp_rank: int
-    dp_rank: int
-    tp_group: Any
-    dp_group: Any
-
-    @classmethod
-    def build(cls, tp: int, device_type: str) -> TPLayout:
-        world = dist.get_world_size()
-        mesh = init_device_mesh(device_type, (world // tp, tp), mesh_dim_names=("dp", "tp"))
-        rank = dist.get_rank()
-        return cls(
-            tp, world // tp, rank % tp, rank // tp, mesh.get_group("tp"), mesh.get_group("dp")
-        )
+from accel.parallel.layout import MeshLayout
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -59,13 +38,13 @@ class ShardedClassifier(nn.Module):
     """Rows [start, start + per) of a (classes x features) classifier, the class count padded to
     a multiple of the tp size; padded rows give a logit no softmax can pick."""
 
-    def __init__(self, full: nn.Linear, layout: TPLayout):
+    def __init__(self, full: nn.Linear, layout: MeshLayout):
         super().__init__()
         self.classes = full.out_features
-        self.per = -(-self.classes // layout.tp)
-        self.start = layout.tp_rank * self.per
+        self.per = -(-self.classes // layout.size)
+        self.start = layout.rank * self.per
         self.valid = max(0, min(self.per, self.classes - self.start))  # real classes here
-        self.group = layout.tp_group
+        self.group = layout.group
         self.weight = nn.Parameter(self.rows(full.weight.detach()))
         self.bias = nn.Parameter(self.rows(full.bias.detach()))
 
@@ -96,7 +75,7 @@ class ShardedClassifier(nn.Module):
         return nn.functional.pad(local, (0, self.per - self.valid))
 
 
-def shard_classifier(model: nn.Module, layout: TPLayout) -> ShardedClassifier:
+def shard_classifier(model: nn.Module, layout: MeshLayout) -> ShardedClassifier:
     """Replace the timm model's classifier (get_classifier(): ViT's head, Swin's head.fc) by
     this rank's shard of it."""
     full = model.get_classifier()

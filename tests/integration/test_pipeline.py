@@ -9,7 +9,7 @@ import torch.multiprocessing as mp
 
 from models.factory import ModelConfig
 from tests import nan_model
-from tests.helpers import read_summary, run_cli
+from tests.helpers import read_summary, train_cli
 from tests.integration.test_nan_policy import _config as _nan_config
 from tests.integration.test_nan_policy import _same, _state
 from tests.integration.test_sharded import _nan_rank
@@ -24,9 +24,7 @@ PIPELINE = ("--nproc_per_node", "2", "--pp", "2")
 
 
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
-    result = run_cli(*JOB, "--output", str(output), "--run_name", "r", *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_summary(output), result.stdout
+    return train_cli(output, *JOB, *extra)
 
 
 @pytest.fixture(scope="module")

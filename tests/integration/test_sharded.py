@@ -20,7 +20,7 @@ from accel.amp import amp_policy
 from accel.parallel import fsdp
 from models.factory import ModelConfig, create_model
 from tests import nan_model
-from tests.helpers import ROOT, cli_command, read_summary, run_cli
+from tests.helpers import ROOT, cli_command, read_summary, run_cli, train_cli
 from tests.integration.test_nan_policy import _config as _nan_config
 
 pytestmark = pytest.mark.slow
@@ -32,9 +32,7 @@ JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--clip_grad"
 
 
 def _run(output: Path, *extra: str, env: dict | None = None) -> dict:
-    result = run_cli(*JOB, "--output", str(output), "--run_name", "r", *extra, env=env)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_summary(output)
+    return train_cli(output, *JOB, *extra, env=env)[0]
 
 
 def _state_bytes(summary: dict) -> int:

@@ -13,7 +13,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from accel.parallel import fsdp, tp_head
-from tests.helpers import read_summary, run_cli
+from accel.parallel.layout import MeshLayout
+from tests.helpers import train_cli
 
 pytestmark = pytest.mark.slow
 
@@ -24,9 +25,7 @@ JOB += ("--drop_path", "0.3")  # the ranks of a tp group must draw the same mask
 
 
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
-    result = run_cli(*JOB, "--output", str(output), "--run_name", "r", *extra)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_summary(output), result.stdout
+    return train_cli(output, *JOB, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +116,7 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
         torch.manual_seed(0)
         classes, features, batch = 1_000_000, 192, 4
         model = Classifier(features, classes)
-        layout = tp_head.TPLayout.build(2, "cpu")
+        layout = MeshLayout.build("tp", 2, "cpu")
         full_bytes = fsdp.local_bytes(list(model.head.parameters()))
         head = tp_head.shard_classifier(model, layout)
         targets = torch.full((batch, classes), 0.1 / classes)
