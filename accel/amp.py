@@ -40,15 +40,10 @@ class AmpPolicy:
         return self.dtype == torch.float16 and self.level in ("O1", "O2")
 
 
-def check_amp_level(level: str) -> None:
-    if level not in AMP_LEVELS:
-        raise ConfigError(f"unknown AMP level '{level}' (choose from {', '.join(AMP_LEVELS)})")
-
-
 def amp_policy(level: str, dtype: str = "bfloat16") -> AmpPolicy:
-    check_amp_level(level)
-    if dtype not in DTYPES:
-        raise ConfigError(f"unknown AMP dtype '{dtype}' (choose from {', '.join(DTYPES)})")
+    """The policy of a level the config has already checked (accel/config.py)."""
+    if level not in AMP_LEVELS or dtype not in DTYPES:
+        raise ConfigError(f"unknown AMP level or dtype: {level} {dtype}")
     if level == "O3":
         warnings.warn(
             "AMP O3 trains entirely in low precision: fastest, may cost accuracy", stacklevel=2

@@ -1,137 +1,295 @@
-"""Atomic checkpoints: write to a temporary file, flush and fsync, then rename; keep the last K.
+"""Checkpoints: what a run saves, how it is written so that a crash never leaves a half file, and
+how it is read back without running anything a file holds.
 
-An unsharded run writes one file, `step_N.pt`. A sharded run writes a folder, `step_N.dcp`,
-through torch.distributed.checkpoint: each rank its own shards, rank 0 the rest of the state
-(`meta.pt`); the folder takes its final name once every rank has written.
+Every file loads with `torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts
+only (the config travels as JSON, random generator states as tensors). A run whose model is whole
+on every rank writes one file, `step_N.pt`; a run whose ranks each hold a part (FSDP shards, a
+split classifier, pipeline stages) writes a folder, `step_N.dcp`, through
+torch.distributed.checkpoint: each rank writes what it holds, rank 0 the loop state (`meta.pt`),
+and the folder takes its name once all have written. Either kind loads into any layout.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import pickle
 import random
 import re
 import shutil
+import uuid
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
-from accel.config import ConfigError
+from accel.config import ConfigError, RunConfig, from_dict, get_path, resume_keys
+from accel.parallel.materialize import local_region
 
+FORMAT = "accel-checkpoint-2"
 PATTERN = re.compile(r"^step_(\d+)\.(pt|dcp)$")
 META = "meta.pt"
+
+
+class CheckpointError(ConfigError):
+    """A checkpoint that cannot be used: one line, exit 2."""
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
     return run_dir / "checkpoints"
 
 
-def host_rng_state() -> dict[str, Any]:
-    """Python, numpy and torch CPU generators (device generators belong to the backend)."""
+# --- random generator states as tensors ------------------------------------------------------
+def host_rng_state() -> dict[str, torch.Tensor]:
+    """Python, numpy and torch CPU generators (a device's belongs to the backend), as tensors."""
+    version, internal, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": torch.tensor([version, *internal], dtype=torch.int64),
+        "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
+        "numpy": torch.from_numpy(keys.astype(np.int64)),
+        "numpy_pos": torch.tensor([pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
         "torch": torch.get_rng_state(),
     }
 
 
-def set_host_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def set_host_rng_state(state: dict[str, torch.Tensor]) -> None:
+    version, *internal = state["python"].tolist()
+    has_gauss, gauss = state["python_gauss"].tolist()
+    random.setstate((version, tuple(internal), gauss if has_gauss else None))
+    pos, np_has_gauss = state["numpy_pos"].tolist()
+    keys = state["numpy"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, pos, np_has_gauss, float(state["numpy_gauss"][0])))
     torch.set_rng_state(state["torch"])
 
 
-def _write(path: Path, state: dict[str, Any]) -> None:
-    with open(path, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+def gather_rng(mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """Every rank's generator states in rank order, as one byte tensor a rank (the states have
+    the same shapes on every rank), gathered with one all_gather."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [mine]
+    nccl = dist.get_backend() == "nccl"
+    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    keys = sorted(mine)
+    packed = torch.cat([mine[k].contiguous().view(-1).view(torch.uint8) for k in keys])
+    parts = [torch.empty_like(packed, device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, packed.to(device))
+    out = []
+    for part in parts:
+        part, state, offset = part.cpu(), {}, 0
+        for k in keys:
+            size = mine[k].numel() * mine[k].element_size()
+            chunk = part[offset : offset + size].view(mine[k].dtype).view(mine[k].shape)
+            state[k], offset = chunk.clone(), offset + size
+        out.append(state)
+    return out
 
 
-def _prune(run_dir: Path, keep: int) -> None:
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
+# --- reading files safely ---------------------------------------------------------------------
+def _load(path: Path) -> dict[str, Any]:
+    """A file of ours, read without unpickling anything but tensors and plain values."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError as err:
+        found = re.search(r"GLOBAL (\S+)", str(err))
+        what = f" ({found.group(1)})" if found else ""
+        raise CheckpointError(
+            f"{path} holds Python objects{what}, which are not loaded (they could run code): "
+            "it is not an accel checkpoint, or one written before accel's tensor-only format; "
+            "resume that one with the accel version that wrote it"
+        ) from None
+    except (RuntimeError, OSError, EOFError) as err:
+        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path} is not a readable checkpoint ({reason})") from None
+
+
+def read_meta(path: Path) -> dict[str, Any]:
+    """The loop state, config and (one-file checkpoints) random states of a checkpoint."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    raw = _load(path / META if path.is_dir() else path)
+    meta = raw.get("meta") if isinstance(raw, dict) else None
+    if not isinstance(meta, dict) or raw.get("format") != FORMAT:
+        raise CheckpointError(f"{path} is not an accel checkpoint (no '{FORMAT}' marker)")
+    return meta
+
+
+class SafeMetadataUnpickler(pickle.Unpickler):
+    """torch.distributed.checkpoint pickles its index of a checkpoint folder (`.metadata`); this
+    reads it allowing only the classes such an index holds."""
+
+    MODULES = ("torch.distributed.checkpoint.metadata",)
+    NAMES: ClassVar[set[tuple[str, str]]] = {
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("pathlib", "PosixPath"),
+        ("collections", "OrderedDict"),
+    }
+
+    def find_class(self, module: str, name: str) -> Any:
+        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        if module in self.MODULES or (module, name) in self.NAMES or dtype:
+            return super().find_class(module, name)
+        raise CheckpointError(f"checkpoint index refers to {module}.{name}: refused")
+
+
+def safe_reader(path: Path):
+    """DCP's FileSystemReader, reading the folder's index with SafeMetadataUnpickler."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class SafeReader(FileSystemReader):
+        def read_metadata(self, *args: Any, **kwargs: Any):
+            with open(Path(self.path) / ".metadata", "rb") as f:
+                metadata = SafeMetadataUnpickler(f).load()
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(path)
+
+
+def safe_planner():
+    """DCP's load planner, refusing the pickled (non-tensor) items a folder may claim to hold."""
+    from torch.distributed.checkpoint import DefaultLoadPlanner
+
+    class TensorsOnly(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise CheckpointError(
+                f"checkpoint item {read_item.dest_index.fqn} is pickled data, not a tensor: refused"
+            )
+
+    return TensorsOnly()
+
+
+def sharded_keys(path: Path) -> set[str]:
+    """The flattened keys ('model.x', 'optim.x.exp_avg', ...) a checkpoint folder holds."""
+    with open(Path(path) / ".metadata", "rb") as f:
+        metadata = SafeMetadataUnpickler(f).load()
+    return set(metadata.state_dict_metadata)
+
+
+# --- loading into a layout ---------------------------------------------------------------------
+def flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{prefix}{key}."))
         else:
-            old.unlink(missing_ok=True)
+            out[prefix + key] = value
+    return out
 
 
-def save_checkpoint(run_dir: Path, step: int, state: dict[str, Any], keep: int = 3) -> Path:
-    folder = checkpoint_dir(run_dir)
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"step_{step:08d}.pt"
-    tmp = folder / f".{final.name}.tmp"
-    _write(tmp, state)
-    os.replace(tmp, final)
-    _prune(run_dir, keep)
-    return final
+def fill_from_whole(template: dict[str, Any], whole: dict[str, Any], path: Path) -> None:
+    """Copy a one-file checkpoint's whole tensors into `template` (this rank's tensors: plain,
+    or DTensor views of its part), naming the first keys or shapes that do not fit."""
+    have, want = flatten(whole), flatten(template)
+    missing = [k for k in want if k not in have and not k.startswith("scaler.")]
+    if missing:
+        raise CheckpointError(f"{path} does not fit this model: missing {', '.join(missing[:3])}")
+    with torch.no_grad():
+        for key, target in want.items():
+            if key not in have:
+                continue
+            storage, region = local_region(target)
+            full_shape = tuple(target.shape)
+            if tuple(have[key].shape) != full_shape:
+                raise CheckpointError(
+                    f"{path} does not fit this model: {key} is {tuple(have[key].shape)} there, "
+                    f"{full_shape} here"
+                )
+            storage.copy_(have[key][region])
 
 
-def save_sharded(
-    run_dir: Path, step: int, tensors: dict[str, Any], meta: dict[str, Any], keep: int = 3
-) -> Path:
-    """Called on every rank: each writes its shards of `tensors`; rank 0 writes `meta`."""
-    import torch.distributed as dist
+def load_sharded(path: Path, template: dict[str, Any]) -> None:
+    """Fill `template` in place from a checkpoint folder written by any layout at any world
+    size (DCP reshards); works without a process group too."""
     import torch.distributed.checkpoint as dcp
 
-    final = checkpoint_dir(run_dir) / f"step_{step:08d}.dcp"
+    want, have = set(flatten(template)), sharded_keys(path)
+    missing = sorted(k for k in want - have if not k.startswith("scaler."))
+    if missing:
+        raise CheckpointError(f"{path} does not fit this model: missing {', '.join(missing[:3])}")
+    template = {k: v for k, v in template.items() if k != "scaler" or "scaler.scale" in have}
+    with warnings.catch_warnings():  # one process, no process group: DCP says it loads whole
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        try:
+            dcp.load(template, storage_reader=safe_reader(path), planner=safe_planner())
+        except CheckpointError:
+            raise
+        except (RuntimeError, ValueError) as err:
+            raise CheckpointError(f"{path} does not fit this model: {_first_line(err)}") from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[-1] if text else type(err).__name__
+
+
+def load_state(path: Path, template: dict[str, Any]) -> None:
+    """Fill `template` (a backend's checkpoint_state) from a file or folder checkpoint."""
+    if Path(path).is_dir():
+        load_sharded(path, template)
+    else:
+        fill_from_whole(template, _load(path)["state"], path)
+
+
+# --- writing -----------------------------------------------------------------------------------
+def _unique_tmp(final: Path) -> Path:
+    """A temporary name no other writer uses (two runs must never share one)."""
+    return final.with_name(f".{final.name}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp")
+
+
+def to_cpu(tree: Any) -> Any:
+    """A state's tensors on the host, float ones in fp32: what a one-file checkpoint holds (a
+    copy only where the device or dtype differs). Moved to the host first: converting on an XLA
+    device would compile a graph per tensor."""
+    if isinstance(tree, dict):
+        return {k: to_cpu(v) for k, v in tree.items()}
+    if isinstance(tree, DTensor):
+        raise TypeError("a one-file checkpoint holds whole tensors; this layout saves sharded")
+    value = tree.detach().cpu()
+    return value.float() if value.is_floating_point() else value
+
+
+def write_file(final: Path, payload: dict[str, Any]) -> None:
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _unique_tmp(final)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(payload, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_folder(final: Path, state: dict[str, Any], meta: dict[str, Any], main: bool) -> None:
+    """Called on every rank: each writes its part of `state`; rank 0 `meta`, then the rename."""
+    import torch.distributed.checkpoint as dcp
+
     tmp = final.with_name(f".{final.name}.tmp")
-    main = dist.get_rank() == 0
-    if main:  # what a crash left behind
+    if main:
         shutil.rmtree(tmp, ignore_errors=True)
     dist.barrier()
     with warnings.catch_warnings():  # raised inside torch's writer, nothing to act on here
         warnings.filterwarnings("ignore", message="TypedStorage is deprecated")
-        dcp.save(tensors, storage_writer=dcp.FileSystemWriter(tmp))  # fsyncs; ends in a barrier
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp))  # fsyncs; ends in a barrier
     if main:
-        _write(tmp / META, meta)
+        write_file(tmp / META, {"format": FORMAT, "meta": meta})
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        _prune(run_dir, keep)
     dist.barrier()
-    return final
-
-
-def is_sharded(path: Path) -> bool:
-    return Path(path).is_dir()
-
-
-def writes_shards(backend: Any) -> bool:
-    """FSDP runs save through torch.distributed.checkpoint, each rank its own shards; jax
-    gathers its sharded arrays into the usual single file."""
-    sharded = getattr(backend, "shard", "none") != "none"
-    return sharded and hasattr(backend, "dcp_state_dict")
-
-
-def allow_other_world_size(mismatches: list[str]) -> list[str]:
-    """A sharded checkpoint loads resharded at another world size: warn, drop that mismatch."""
-    for m in mismatches:
-        if m.startswith("world_size"):
-            warnings.warn(
-                f"resuming a sharded checkpoint at another {m}: the weights and optimizer "
-                "state load resharded; the data order differs from the saved run's",
-                stacklevel=3,
-            )
-    return [m for m in mismatches if not m.startswith("world_size")]
-
-
-def load_sharded_into(backend: Any, path: Path) -> None:
-    if not hasattr(backend, "load_dcp_state_dict"):
-        raise ConfigError(f"{path} is a sharded checkpoint: resume it on eager or compile")
-    backend.load_dcp_state_dict(load_sharded(path, backend.dcp_state_dict()))
-
-
-def load_sharded(path: Path, template: dict[str, Any]) -> dict[str, Any]:
-    """Fill `template` (tensors sharded as this run shards them, or whole) from a sharded
-    checkpoint written at any world size; works without a process group too."""
-    import torch.distributed.checkpoint as dcp
-
-    with warnings.catch_warnings():  # one process, no process group: DCP says it loads whole
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(template, storage_reader=dcp.FileSystemReader(path))
-    return template
 
 
 def list_checkpoints(run_dir: Path) -> list[Path]:
@@ -147,37 +305,124 @@ def latest_checkpoint(run_dir: Path) -> Path | None:
     return found[-1] if found else None
 
 
-# Config keys that must match to resume: they change the model or the order of the data.
-RESUME_KEYS = (
-    "model.name",
-    "model.num_classes",
-    "model.pool",
-    "data.source",
-    "batch_size",
-    "optim.grad_accum",
-    "seed",
-    "world_size",
-)
+def prune(run_dir: Path, keep: int) -> None:
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
 
 
-def _get(tree: dict, dotted: str) -> Any:
-    for key in dotted.split("."):
-        tree = tree.get(key) if isinstance(tree, dict) else None
-    return tree
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Temporary files and folders a killed writer left (the run folder's lock says no other
+    writer is at work)."""
+    folder = checkpoint_dir(run_dir)
+    for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
 
 
-def resume_mismatches(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'key (checkpoint X, now Y)' for every key of RESUME_KEYS that differs."""
-    return [
-        f"{k} (checkpoint {_get(saved, k)}, now {_get(current, k)})"
-        for k in RESUME_KEYS
-        if _get(saved, k) != _get(current, k)
+# --- what must match to resume -----------------------------------------------------------------
+def resume_mismatches(saved: RunConfig, current: RunConfig, saved_world: int, world: int) -> list:
+    """'key (checkpoint X, now Y)' for every option that shapes the model or orders the data."""
+    found = [
+        f"{k} (checkpoint {get_path(saved, k)}, now {get_path(current, k)})"
+        for k in resume_keys()
+        if get_path(saved, k) != get_path(current, k)
     ]
+    if saved_world != world:
+        found.append(f"world_size (checkpoint {saved_world}, now {world})")
+    return found
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
-    """The whole state of a `.pt` checkpoint; of a sharded one, all but the tensors."""
-    if is_sharded(path):
-        path = Path(path) / META
-    # Our own files: they hold RNG states and numpy arrays, which weights_only refuses.
-    return torch.load(path, map_location="cpu", weights_only=False)
+@dataclass
+class Saved:
+    """What `CheckpointManager.load` read besides the tensors."""
+
+    path: Path
+    loop: dict[str, Any]
+    rng: dict[str, torch.Tensor] | None  # this rank's states, where the checkpoint has them
+
+
+def saved_config(meta: dict[str, Any]) -> RunConfig:
+    return from_dict(RunConfig, json.loads(meta["config"]))
+
+
+class CheckpointManager:
+    """Saves and loads a run's checkpoints: the backend's tensors, the loop's position, every
+    rank's random states and the config that must match to resume."""
+
+    def __init__(self, cfg: RunConfig, is_main: bool, rank: int, backend: Any, data_world: int):
+        self.cfg, self.is_main, self.rank, self.backend = cfg, is_main, rank, backend
+        self.run_dir = cfg.run_dir()
+        self.data_world = data_world  # data-parallel replicas: what orders the data
+
+    def _rng(self) -> dict[str, torch.Tensor]:
+        device = {f"device_{k}": v for k, v in self.backend.rng_state().items()}
+        return {**host_rng_state(), **device}
+
+    def save(self, step: int, loop: dict[str, Any]) -> Path:
+        """Called on every rank."""
+        meta = {"loop": loop, "config": self.cfg.to_json(), "world_size": self.data_world}
+        kind = "dcp" if self.backend.sharded_checkpoint else "pt"
+        final = checkpoint_dir(self.run_dir) / f"step_{step:08d}.{kind}"
+        if self.backend.sharded_checkpoint:
+            state = {**self.backend.checkpoint_state(), "rng": {f"rank{self.rank}": self._rng()}}
+            write_folder(final, state, meta, self.is_main)
+        else:
+            rngs = gather_rng(self._rng())
+            if self.is_main:
+                state = to_cpu(self.backend.checkpoint_state())
+                write_file(final, {"format": FORMAT, "meta": {**meta, "rng": rngs}, "state": state})
+        if self.is_main:
+            prune(self.run_dir, self.cfg.keep_checkpoints)
+        return final
+
+    def load(self, path: Path) -> Saved:
+        """Check the checkpoint fits this run, then load it into the backend."""
+        path = Path(path)
+        meta = read_meta(path)
+        problems = resume_mismatches(
+            saved_config(meta), self.cfg, meta["world_size"], self.data_world
+        )
+        other_world = [p for p in problems if p.startswith("world_size")]
+        problems = [p for p in problems if p not in other_world]
+        if problems:
+            raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}")
+        if other_world:
+            warnings.warn(
+                f"resuming at another {other_world[0]}: the weights and optimizer state load "
+                "resharded; the data order differs from the saved run's",
+                stacklevel=2,
+            )
+        template = self.backend.checkpoint_state()
+        load_state(path, template)
+        self.backend.load_checkpoint_state(template)
+        return Saved(path, meta["loop"], self._saved_rng(path, meta, bool(other_world)))
+
+    def _saved_rng(self, path: Path, meta: dict, other_world: bool) -> dict | None:
+        """This rank's saved generator states (the first rank's where it has none)."""
+        if other_world:
+            return None
+        if "rng" in meta:
+            states = meta["rng"]
+            return states[self.rank] if self.rank < len(states) else states[0]
+        key = f"rng.rank{self.rank}."
+        names = [k[len(key) :] for k in sharded_keys(path) if k.startswith(key)]
+        if not names:
+            return None
+        template = {"rng": {f"rank{self.rank}": {n: torch.empty(0) for n in names}}}
+        mine = self._rng()
+        template["rng"][f"rank{self.rank}"] = {n: torch.empty_like(mine[n]) for n in names}
+        load_sharded(path, template)
+        return template["rng"][f"rank{self.rank}"]
+
+    def resume_path(self) -> Path | None:
+        """--resume's checkpoint: a path, the newest of this run ('auto'), or none."""
+        if not self.cfg.resume:
+            return None
+        if self.cfg.resume != "auto":
+            return Path(self.cfg.resume)
+        return latest_checkpoint(self.run_dir)

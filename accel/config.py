@@ -1,95 +1,268 @@
-"""Run configuration: small dataclasses filled by the CLI and saved in the run folder."""
+"""Run configuration: small frozen dataclasses, each option declared once with its help, flag and
+valid range. The command line is generated from them (accel/cli.py), the launcher settles what is
+left open (accel/resolve.py), and the final config is saved in the run folder.
+
+Field metadata keys: help, flag (default --<name>), choices, min/max (inclusive), above/below
+(exclusive), group (help section of a top-level field), cli=False (not an option), resume="same"
+(a checkpoint resumes only with the same value: it shapes the model or orders the data).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-from data.collate import MixupConfig
-from data.loaders import DataConfig
+from data.config import DataConfig
 from models.factory import ModelConfig
 
 BACKENDS = ("eager", "compile", "xla", "jax")
 AMP_LEVELS = ("O0", "O1", "O2", "O3")
-NAN_POLICIES = ("skip", "stop")
 SHARD_MODES = ("none", "full", "grad_op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+DEFAULT_EPOCHS = 1  # the run length when neither --steps nor --epochs is given
 
 
 class ConfigError(ValueError):
     """Bad user input: reported as one line with exit code 2."""
 
 
-@dataclass
+def option(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+RUN, PRECISION, OUTPUT = "Run", "Precision and kernels", "Output, checkpoints and logging"
+
+
+@dataclass(frozen=True)
 class OptimConfig:
-    lr: float = 1e-3
-    weight_decay: float = 0.05
-    betas: tuple[float, float] = (0.9, 0.999)
-    warmup_steps: int = 0
-    min_lr: float = 1e-6
-    clip_grad: float = 1.0  # max gradient norm; 0 turns clipping off
-    grad_accum: int = 1
+    lr: float = option(1e-3, "peak learning rate (AdamW)", above=0)
+    weight_decay: float = option(0.05, "AdamW weight decay (not on norms and biases)", min=0)
+    betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", min=0, below=1)
+    warmup_steps: int = option(0, "linear warm-up steps of the cosine schedule", min=0)
+    min_lr: float = option(1e-6, "learning rate at the end of the schedule", min=0)
+    clip_grad: float = option(1.0, "max gradient norm (0 = no clipping)", min=0)
+    grad_accum: int = option(1, "micro-steps per optimizer step", min=1, resume="same")
 
 
-@dataclass
+@dataclass(frozen=True)
+class ParallelConfig:
+    nproc_per_node: int = option(1, "processes (eager, compile) or devices (xla, jax)", min=1)
+    shard: str = option(
+        "none",
+        "split weights, gradients and optimizer state over the data-parallel replicas: full "
+        "(FSDP2 per block on eager/compile; sharded arrays on jax), grad_op (weights kept "
+        "gathered through the step: ZeRO-2's traffic), none (replicas)",
+        choices=SHARD_MODES,
+    )
+    tp_head: int = option(1, "split the classifier's classes over N ranks: a dp x tp mesh", min=1)
+    pp: int = option(1, "cut a ViT into N pipeline stages: a dp x pp mesh", min=1)
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
+    pp_microbatches: int = option(4, "micro-batches a batch streams through the pipeline in", min=1)
+
+
+@dataclass(frozen=True)
+class CompilerConfig:
+    max_recompiles: int = option(
+        -1, "stop when more graphs than this compile after warm-up (-1: no limit)", min=-1
+    )
+    compile_cache: str = option(
+        "", "persistent compilation cache folder (default OUTPUT/.compile_cache/BACKEND)"
+    )
+    loader_prefetch: int = option(8, "host batches queued ahead of the device transfer", min=1)
+    device_prefetch: int = option(4, "batches already on the device ahead of the step", min=1)
+    grad_reduce: str = option(
+        "all_reduce",
+        "xla: explicit xm.all_reduce of the gradients, or torch_xla's reduce_gradients (what "
+        "xm.optimizer_step does)",
+        choices=("all_reduce", "optimizer_step"),
+    )
+
+
+@dataclass(frozen=True)
 class RunConfig:
-    backend: str = "eager"
+    backend: str | None = option(
+        None, "default: eager, or the XLA path when USE_ACCEL=1", choices=BACKENDS, group=RUN
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    batch_size: int = 32  # per device and micro-step
-    steps: int = 0  # optimizer steps; 0 means use epochs
-    epochs: int = 0
-    amp_level: str = "O0"
-    amp_dtype: str = "bfloat16"
-    kernel_opt: bool = False
-    remat: bool = False  # recompute activations in the backward (less memory, more compute)
-    shard: str = "none"  # split weights, gradients and optimizer state over the replicas
-    tp_head: int = 1  # ranks the classifier's classes are split over (tensor parallel)
-    pp: int = 1  # pipeline stages the model is cut into
-    pp_schedule: str = "1f1b"  # gpipe, 1f1b or interleaved (two stages a rank)
-    pp_microbatches: int = 4  # micro-batches a batch streams through the pipeline in
-    seed: int = 0
-    output: str = "runs"
-    run_name: str = ""
-    save_every: int = 0  # steps between checkpoints; 0 saves only at the end
-    keep_checkpoints: int = 3
-    resume: str = ""  # "", "auto" or a checkpoint path
-    log_every: int = 10
-    eval: bool = True
-    timing_warmup_steps: int = 2  # steps left out of images_per_sec
-    nproc_per_node: int = 1
-    peak_tflops: float = 0.0  # accelerator bf16 peak for MFU; 0 looks the device up
-    nan_policy: str = "stop"  # non-finite loss or gradients: "skip" the update, or "stop"
-    # XLA compiler backends (xla, jax)
-    max_recompiles: int = -1  # stop when more compiles than this follow warm-up; -1 = no limit
-    compile_cache: str = ""  # persistent compilation cache; "" = OUTPUT/.compile_cache/<backend>
-    loader_prefetch: int = 8  # host batches queued ahead of the device transfer
-    device_prefetch: int = 4  # batches already on the device ahead of the step
-    grad_reduce: str = "all_reduce"  # xla: explicit xm.all_reduce, or xm.reduce_gradients
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compiler: CompilerConfig = field(default_factory=CompilerConfig)
+    batch_size: int = option(
+        32, "images per device and micro-step", min=1, group=RUN, resume="same"
+    )
+    steps: int | None = option(
+        None, f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)", min=1, group=RUN
+    )
+    epochs: int | None = option(None, "epochs (instead of --steps)", min=1, group=RUN)
+    seed: int = option(0, "seed of weights, data order and augmentation", group=RUN, resume="same")
+    nan_policy: str = option(
+        "stop",
+        "a step with a non-finite loss or gradient never updates the weights; then skip it and "
+        "go on, or stop (checkpoint, exit 4) at the next loss fetch (--log_every)",
+        choices=("skip", "stop"),
+        group=RUN,
+    )
+    amp_level: str = option("O0", "mixed precision level", choices=AMP_LEVELS, group=PRECISION)
+    amp_dtype: str = option(
+        "bfloat16", "low-precision dtype", choices=("bfloat16", "float16"), group=PRECISION
+    )
+    kernel_opt: bool = option(
+        False,
+        "the backend's extra fused paths (--backends lists them)",
+        flag="--kernel-opt",
+        group=PRECISION,
+    )
+    remat: bool = option(
+        False, "recompute activations in the backward (less memory)", group=PRECISION
+    )
+    output: str = option("runs", "output folder", group=OUTPUT)
+    run_name: str = option("", "run folder name (default: a timestamp)", group=OUTPUT)
+    resume: str = option(
+        "", "'auto' (latest checkpoint of this run) or a checkpoint path", group=OUTPUT
+    )
+    save_every: int = option(
+        0, "steps between checkpoints (0: at the end only)", min=0, group=OUTPUT
+    )
+    keep_checkpoints: int = option(3, "checkpoints kept (0 keeps all)", min=0, group=OUTPUT)
+    log_every: int = option(10, "steps between loss fetches and log lines", min=1, group=OUTPUT)
+    eval: bool = option(True, "skip the final evaluation", flag="--no-eval", group=OUTPUT)
+    timing_warmup_steps: int = option(2, "first steps left out of img/s", min=0, group=OUTPUT)
+    peak_tflops: float = option(
+        0.0, "accelerator bf16 peak TFLOP/s for MFU (default: looked up)", min=0, group=OUTPUT
+    )
 
     def compile_cache_dir(self) -> Path:
-        return Path(self.compile_cache or Path(self.output) / ".compile_cache" / self.backend)
+        cache = self.compiler.compile_cache
+        return Path(cache or Path(self.output) / ".compile_cache" / str(self.backend))
 
     def run_dir(self) -> Path:
-        return Path(self.output) / self.model.name / self.backend / self.run_name
+        return Path(self.output) / self.model.name / str(self.backend) / self.run_name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
 
 
-def config_from_dict(raw: dict) -> RunConfig:
-    """Inverse of dataclasses.asdict for RunConfig (used when reading a saved config)."""
-    raw = dict(raw)
-    data = dict(raw.pop("data"))
-    data["mixup"] = MixupConfig(**data["mixup"])
-    optim = dict(raw.pop("optim"))
-    optim["betas"] = tuple(optim["betas"])
-    return RunConfig(
-        model=ModelConfig(**raw.pop("model")),
-        data=DataConfig(**data),
-        optim=OptimConfig(**optim),
-        **raw,
-    )
+# --- reading and walking the dataclass tree --------------------------------------------------
+def field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted path, field, type) of every non-dataclass field, depth first."""
+    out = []
+    types = field_types(cls)
+    for f in dataclasses.fields(cls):
+        kind = types[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += leaf_fields(kind, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f, kind))
+    return out
+
+
+def from_dict(cls: type, raw: dict[str, Any]) -> Any:
+    """A (frozen) dataclass from a nested dict, defaults for what it leaves out; the inverse of
+    dataclasses.asdict, and how the parsed command line becomes a config."""
+    types = field_types(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        kind, value = types[f.name], raw[f.name]
+        if dataclasses.is_dataclass(kind):
+            value = from_dict(kind, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    return cls(**values)
+
+
+def get_path(cfg: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        cfg = getattr(cfg, key)
+    return cfg
+
+
+def replace_path(cfg: Any, dotted: str, value: Any) -> Any:
+    """A copy of a frozen config with one (nested) field changed."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})
+
+
+def flag_of(path: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + path.rsplit(".", 1)[-1])
+
+
+def resume_keys() -> list[str]:
+    """Options a checkpoint must be resumed with unchanged (metadata resume="same")."""
+    return [path for path, f, _ in leaf_fields(RunConfig) if f.metadata.get("resume") == "same"]
+
+
+# --- validation: ranges from the metadata, then what ties options together --------------------
+def _range_error(flag: str, value: Any, meta: dict) -> str | None:
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{flag} must be a finite number, got {v}"
+        for key, ok, word in (
+            ("min", lambda x, b: x >= b, ">="),
+            ("max", lambda x, b: x <= b, "<="),
+            ("above", lambda x, b: x > b, ">"),
+            ("below", lambda x, b: x < b, "<"),
+        ):
+            if key in meta and isinstance(v, int | float) and not ok(v, meta[key]):
+                return f"{flag} must be {word} {meta[key]}, got {value}"
+    return None
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """Every option against the range and choices it declares."""
+    for path, f, _ in leaf_fields(RunConfig):
+        value, meta = get_path(cfg, path), f.metadata
+        if value is None or meta.get("cli") is False:
+            continue
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"{flag_of(path, f)}: '{value}' is not one of {', '.join(choices)}")
+        problem = _range_error(flag_of(path, f), value, meta)
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    """Options that cannot work together, whatever the backend."""
+    par = cfg.parallel
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise ConfigError("give --steps or --epochs, not both")
+    if cfg.data.mixup.enabled and cfg.batch_size % 2:
+        raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
+    if par.tp_head > 1 and par.pp > 1:
+        raise ConfigError("--tp_head and --pp cannot be combined")
+    for flag, size in (("--tp_head", par.tp_head), ("--pp", par.pp)):
+        if size > 1 and par.shard != "none":
+            raise ConfigError(f"{flag} and --shard cannot be combined")
+        if size > 1 and par.nproc_per_node % size:
+            raise ConfigError(
+                f"--nproc_per_node {par.nproc_per_node} is not divisible by {flag} {size}"
+            )
+    if par.pp > 1 and cfg.batch_size % par.pp_microbatches:
+        raise ConfigError(
+            f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "
+            f"{par.pp_microbatches}"
+        )
+
+
+def validate(cfg: RunConfig) -> None:
+    check_ranges(cfg)
+    check_combinations(cfg)

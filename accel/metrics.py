@@ -84,3 +84,22 @@ class RunLogger:
         for handler in self.log.handlers:
             handler.close()
         self.log.handlers.clear()
+
+
+def utilisation(images_per_sec: float, flops_per_image: float, override: float, devices: int):
+    """MFU and what it is computed from: the device name and its bf16 peak."""
+    from accel.flops import device_name, mfu, peak_tflops
+
+    name = device_name()
+    peak = peak_tflops(name, override or None)
+    return {
+        "flops_per_image": flops_per_image,
+        "device_name": name,
+        "peak_tflops": peak,
+        "mfu": mfu(images_per_sec, flops_per_image, peak, devices),
+    }
+
+
+def steady_images_per_sec(images: int, steps: int, seconds: float) -> float:
+    """img/s over the timed (post-warm-up) steps; 0 where none were timed."""
+    return images * steps / seconds if steps > 0 and seconds > 0 else 0.0

@@ -37,7 +37,9 @@ class LRSchedule:
         self._dummy = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=cfg.lr)
         self._sched = CosineLRScheduler(
             self._dummy,
-            t_initial=max(1, total_steps - cfg.warmup_steps),
+            # At least 2: a one-step cosine has nothing to anneal (timm warns), and step 0
+            # takes the peak either way.
+            t_initial=max(2, total_steps - cfg.warmup_steps),
             lr_min=cfg.min_lr,
             warmup_t=cfg.warmup_steps,
             warmup_lr_init=cfg.min_lr,

@@ -23,14 +23,13 @@ import torch  # noqa: E402
 from accel.backends import create_backend  # noqa: E402
 from accel.config import RunConfig  # noqa: E402
 from accel.distributed import DistContext  # noqa: E402
-from models.factory import ModelConfig, create_model  # noqa: E402
+from models.factory import ModelConfig, input_size  # noqa: E402
 
 
 def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int) -> float:
     backend = create_backend(cfg, DistContext())
-    model = create_model(cfg.model)
-    backend.setup(model)
-    size = model.input_size[-1]
+    backend.setup(cfg.model)
+    size = input_size(cfg.model)[-1]
     images = torch.randint(0, 256, (cfg.batch_size, 3, size, size), dtype=torch.uint8)
     targets = torch.full((cfg.batch_size, cfg.model.num_classes), 1.0 / cfg.model.num_classes)
     (batch,) = backend.device_batches([(images, targets)])

@@ -27,10 +27,14 @@ sys.path.insert(0, str(ROOT))
 from PIL import Image  # noqa: E402
 
 from bench.compare_backends import write_result  # noqa: E402
-from data.collate import MixupConfig  # noqa: E402
+from data.config import DataConfig, MixupConfig  # noqa: E402
 from data.device_decode import EncodedCrop  # noqa: E402
-from data.folder import ImageFolderDataset, train_transform  # noqa: E402
-from data.loaders import DataConfig, build_train_loader  # noqa: E402
+from data.folder import (  # noqa: E402
+    ImageFolderDataset,
+    class_names,
+    train_transform,
+)
+from data.loaders import build_train_loader  # noqa: E402
 from data.prepare import prepare_mock_imagenet  # noqa: E402
 
 
@@ -69,7 +73,8 @@ def loader_images_per_sec(
         jpeg_draft=draft,
         decode_on=decode_on,
     )
-    loader = build_train_loader(cfg, args.image_size, args.batch_size, 0, 1, seed=0)
+    classes = len(class_names(root))
+    loader = build_train_loader(cfg, args.image_size, args.batch_size, (0, 1), 0, classes)
     loader.batch_sampler.set_epoch(0)
     batches = iter(loader)
     next(batches)  # worker start-up is not throughput

@@ -15,23 +15,10 @@ import numpy as np
 import torch
 from timm.data.mixup import FastCollateMixup, cutmix_bbox_and_lam, mixup_target
 
+from data.config import MixupConfig
 from data.sampling import SampleKey, key_seed
 
 Sample = tuple[torch.Tensor, int, tuple[str, ...], SampleKey]
-
-
-@dataclass
-class MixupConfig:
-    mixup_alpha: float = 0.0
-    cutmix_alpha: float = 0.0
-    prob: float = 1.0
-    switch_prob: float = 0.5
-    mode: str = "batch"
-    off_epoch: int = 0  # mixup/cutmix stop from this epoch on; 0 keeps them on for the whole run
-
-    @property
-    def enabled(self) -> bool:
-        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
 
 
 @contextmanager

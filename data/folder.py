@@ -122,6 +122,14 @@ def class_names(root: str | Path) -> list[str]:
         raise DatasetError(f"dataset folder {split_dir(root, 'train')} is empty: {err}") from None
 
 
+def count_images(root: str | Path) -> int:
+    """Images in the training split (files with an image extension; none decoded)."""
+    classes = class_names(root)
+    index = {name: i for i, name in enumerate(classes)}
+    folder = split_dir(root, "train")
+    return len(make_dataset(str(folder), index, IMAGE_EXTENSIONS, allow_empty=True))
+
+
 class ImageFolderDataset(Dataset):
     def __init__(self, root: str | Path, split: str, transform, strict: bool = False):
         folder = split_dir(root, split)

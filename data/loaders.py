@@ -4,36 +4,16 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.collate import MixupConfig, TrainCollate, eval_collate
+from data.collate import TrainCollate, eval_collate
+from data.config import DataConfig
 from data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
 from data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
 from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from data.synthetic import SyntheticImages
-
-
-@dataclass
-class DataConfig:
-    source: str = "synthetic"  # "synthetic" or the root of an ImageNet-layout folder
-    num_classes: int = 10  # synthetic only; folders take it from their class folders
-    synthetic_length: int = 1024
-    workers: int = 2
-    label_smoothing: float = 0.1
-    mixup: MixupConfig = field(default_factory=MixupConfig)
-    strict: bool = False
-    persistent_workers: bool = True
-    jpeg_draft: bool = True  # decode JPEGs at reduced scale where the crop allows
-    # Where training JPEGs are decoded: "workers" (CPU, in the loader workers), or in the main
-    # process on the training device: "cuda" (nvJPEG) or "cpu" (the same path on the CPU).
-    decode_on: str = "workers"
-
-    @property
-    def is_synthetic(self) -> bool:
-        return self.source == "synthetic"
 
 
 class KeyedDataset(Dataset):
@@ -57,12 +37,14 @@ class KeyedDataset(Dataset):
         return image, label, skipped, key
 
 
-def build_dataset(cfg: DataConfig, split: str, image_size: int, seed: int) -> Dataset:
+def build_dataset(
+    cfg: DataConfig, split: str, image_size: int, seed: int, num_classes: int
+) -> Dataset:
     if cfg.is_synthetic:
         length = cfg.synthetic_length if split == "train" else max(1, cfg.synthetic_length // 4)
         return SyntheticImages(
             length,
-            cfg.num_classes,
+            num_classes,
             (3, image_size, image_size),
             seed=seed + (0 if split == "train" else 1),
         )
@@ -71,11 +53,9 @@ def build_dataset(cfg: DataConfig, split: str, image_size: int, seed: int) -> Da
     return ImageFolderDataset(cfg.source, split, transform, strict=cfg.strict)
 
 
-def dataset_num_classes(cfg: DataConfig) -> int:
-    """Class count without decoding anything (folders: the number of class folders)."""
-    if cfg.is_synthetic:
-        return cfg.num_classes
-    return len(class_names(cfg.source))
+def folder_num_classes(cfg: DataConfig) -> int | None:
+    """The class folders' count, without decoding anything (None for synthetic data)."""
+    return None if cfg.is_synthetic else len(class_names(cfg.source))
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
@@ -115,20 +95,19 @@ def build_train_loader(
     cfg: DataConfig,
     image_size: int,
     batch_size: int,
-    rank: int,
-    world_size: int,
+    shard: tuple[int, int],
     seed: int,
+    num_classes: int,
     pin_memory: bool = False,
 ) -> DataLoader | DeviceDecodedLoader:
-    """Per-rank loader of fixed-size uint8 batches with soft targets; call
-    `loader.batch_sampler.set_epoch(epoch, start_batch)` before each epoch. `pin_memory`:
-    batches in page-locked memory, for asynchronous copies to a CUDA device. With
-    `cfg.decode_on` a device, the batches come out decoded on that device."""
-    dataset = build_dataset(cfg, "train", image_size, seed)
-    num_classes = getattr(dataset, "num_classes", cfg.num_classes)
+    """Loader of fixed-size uint8 batches with soft targets, for data-parallel rank
+    `shard = (rank, ranks)`; call `loader.batch_sampler.set_epoch(epoch, start_batch)` before
+    each epoch. `pin_memory`: batches in page-locked memory, for asynchronous copies to a CUDA
+    device. With `cfg.decode_on` a device, the batches come out decoded on that device."""
+    dataset = build_dataset(cfg, "train", image_size, seed, num_classes)
     if cfg.mixup.enabled and batch_size % 2:
         raise ValueError(f"mixup/cutmix need an even per-device batch size, got {batch_size}")
-    sampler = ShardedBatchSampler(len(dataset), batch_size, rank, world_size, seed)
+    sampler = ShardedBatchSampler(len(dataset), batch_size, *shard, seed)
     collate = TrainCollate(num_classes, cfg.label_smoothing, cfg.mixup, seed)
     if cfg.decode_on == "workers" or cfg.is_synthetic:
         return _loader(
@@ -155,9 +134,14 @@ def _device_decoded(
 
 
 def build_eval_loader(
-    cfg: DataConfig, image_size: int, batch_size: int, rank: int, world_size: int, seed: int
+    cfg: DataConfig,
+    image_size: int,
+    batch_size: int,
+    shard: tuple[int, int],
+    seed: int,
+    num_classes: int,
 ) -> DataLoader:
     """Fixed-size evaluation batches with a `mask` marking the padding of the last one."""
-    dataset = build_dataset(cfg, "val", image_size, seed)
-    sampler = PaddedEvalBatchSampler(len(dataset), batch_size, rank, world_size)
+    dataset = build_dataset(cfg, "val", image_size, seed, num_classes)
+    sampler = PaddedEvalBatchSampler(len(dataset), batch_size, *shard)
     return _loader(dataset, sampler, eval_collate, seed, cfg.workers, persistent=False)

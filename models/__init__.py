@@ -1,3 +1,3 @@
-from models.factory import ImageClassifier, ModelConfig, UnknownModelError, create_model
+from models.factory import ImageClassifier, ModelConfig, ModelError, UnknownModelError, create_model
 
-__all__ = ["ImageClassifier", "ModelConfig", "UnknownModelError", "create_model"]
+__all__ = ["ImageClassifier", "ModelConfig", "ModelError", "UnknownModelError", "create_model"]

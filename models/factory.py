@@ -7,7 +7,8 @@ move uint8 to the device and normalisation is part of the compiled graph.
 from __future__ import annotations
 
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import timm
 import torch
@@ -16,17 +17,37 @@ from torch import nn
 from models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
 
 
-class UnknownModelError(ValueError):
+class ModelError(ValueError):
+    """A model setting that cannot work: one line, exit 2."""
+
+
+class UnknownModelError(ModelError):
     """The model name is not known to timm."""
 
 
-@dataclass
+def option(default: Any, help: str, **meta: Any) -> Any:
+    """A config field with its command-line description (accel/cli.py reads the keys)."""
+    return field(default=default, metadata={"help": help, **meta})
+
+
+@dataclass(frozen=True)
 class ModelConfig:
-    name: str = "vit_micro"
-    num_classes: int = 10
-    pool: str = "token"  # "token" (class token) or "avg" (average pooling, no class token)
-    drop_path_rate: float | None = None  # stochastic depth; None keeps the model's default
-    img_size: int | None = None  # input side; None keeps the model's own (ViT, Swin: any size)
+    name: str = option(
+        "vit_micro", "any timm model name, or vit_micro/swin_micro", flag="--model", resume="same"
+    )
+    num_classes: int | None = option(
+        None,
+        "classes (default: the class folders of --data, or 10 for synthetic data)",
+        min=2,
+        resume="same",
+    )
+    pool: str = option("token", "classifier pooling", choices=("token", "avg"), resume="same")
+    drop_path_rate: float | None = option(
+        None, "stochastic depth rate (default: the model's own)", flag="--drop_path", min=0, below=1
+    )
+    img_size: int | None = option(
+        None, "input side in pixels (default: the model's own)", min=1, resume="same"
+    )
 
 
 class ImageClassifier(nn.Module):
@@ -41,7 +62,14 @@ class ImageClassifier(nn.Module):
 
     @property
     def input_size(self) -> tuple[int, int, int]:
+        """(channels, height, width) the model takes."""
         return tuple(self.model.pretrained_cfg["input_size"])
+
+    def classifier_parameters(self) -> list[nn.Parameter]:
+        """The final classifier's parameters (timm's get_classifier(); none if it has none)."""
+        get = getattr(self.model, "get_classifier", None)
+        head = get() if get else None
+        return list(head.parameters()) if isinstance(head, nn.Module) else []
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         return (images.to(self.mean.dtype) - self.mean) * self.inv_scale
@@ -73,10 +101,18 @@ def _pool_kwargs(name: str, pool: str) -> dict:
     return {"global_pool": "avg"}
 
 
-def create_model(cfg: ModelConfig) -> ImageClassifier:
-    """Build a randomly initialised timm model (no weight downloads) behind uint8 normalisation."""
+def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
+    """Build a randomly initialised timm model (no weight downloads) behind uint8 normalisation;
+    with `seed`, its weights are drawn from a torch generator seeded with it (the global one is
+    left as it was), so every place that builds the model gets the same values."""
+    if seed is not None:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return create_model(cfg)
     check_model_name(cfg.name)
-    kwargs = {"num_classes": cfg.num_classes, **_pool_kwargs(cfg.name, cfg.pool)}
+    kwargs = _pool_kwargs(cfg.name, cfg.pool)
+    if cfg.num_classes is not None:
+        kwargs["num_classes"] = cfg.num_classes
     if cfg.drop_path_rate is not None:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
     # Swin's window attention (its relative-position bias and shift mask included) through
@@ -93,3 +129,32 @@ def create_model(cfg: ModelConfig) -> ImageClassifier:
         }
     pcfg = model.pretrained_cfg
     return ImageClassifier(model, tuple(pcfg["mean"]), tuple(pcfg["std"]))
+
+
+def input_size(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(channels, height, width) the model takes, read off it built on the meta device."""
+    with torch.device("meta"):
+        return create_model(cfg).input_size
+
+
+def _patch_side(model: nn.Module) -> int | None:
+    embed = getattr(model, "patch_embed", None)
+    size = getattr(embed, "patch_size", None)
+    return None if size is None else int(size[0] if isinstance(size, tuple | list) else size)
+
+
+def check_input_size(cfg: ModelConfig) -> None:
+    """Raise ModelError for an image side the model would silently crop: not a multiple of its
+    patch, or (Swin) of the patch times the merges between its stages."""
+    with torch.device("meta"):
+        model = create_model(cfg).model
+    side, patch = cfg.img_size, _patch_side(model)
+    if side is None or patch is None:
+        return
+    stages = len(getattr(model, "layers", ())) or 1
+    multiple = patch * 2 ** (stages - 1) if hasattr(model, "layers") else patch
+    if side % multiple:
+        what = f"patch {patch}" + (f" and {stages - 1} merges" if multiple != patch else "")
+        raise ModelError(
+            f"--img_size {side} does not fit {cfg.name} ({what}): use a multiple of {multiple}"
+        )

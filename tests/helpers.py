@@ -8,32 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-from accel.config import OptimConfig, RunConfig
-from data.collate import MixupConfig
-from data.loaders import DataConfig
+from accel.config import RunConfig, leaf_fields, replace_path
+from data.config import DataConfig
 from models.factory import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+# An option by its own name ("shard") or its path ("parallel.shard"); nested configs by theirs.
+PATHS = {path.rsplit(".", 1)[-1]: path for path, _, _ in leaf_fields(RunConfig)}
+PATHS.update(mixup="data.mixup")
 
 
 def micro_config(
     tmp_path: Path, backend: str = "eager", model: str = "vit_micro", **overrides
 ) -> RunConfig:
-    """A small, fast, deterministic run (no workers, no eval unless asked)."""
-    mixup = overrides.pop("mixup", MixupConfig())
-    data = DataConfig(
-        source=overrides.pop("source", "synthetic"),
-        workers=0,
-        synthetic_length=overrides.pop("synthetic_length", 128),
-        mixup=mixup,
-        strict=overrides.pop("strict", False),
-    )
-    optim = OptimConfig(**overrides.pop("optim", {}))
-    defaults = dict(
+    """A small, fast, deterministic run as the launcher would settle it (no workers, no eval
+    unless asked); `overrides` by option name, e.g. shard="full", lr=1e-2."""
+    cfg = RunConfig(
         backend=backend,
-        model=ModelConfig(model),
-        data=data,
-        optim=optim,
+        model=ModelConfig(model, num_classes=10),
+        data=DataConfig(workers=0, synthetic_length=128),
         batch_size=8,
         steps=5,
         output=str(tmp_path),
@@ -41,8 +34,9 @@ def micro_config(
         eval=False,
         log_every=100,
     )
-    defaults.update(overrides)
-    return RunConfig(**defaults)
+    for key, value in overrides.items():
+        cfg = replace_path(cfg, PATHS.get(key, key), value)
+    return cfg
 
 
 def cli_command(*args: str) -> list[str]:
@@ -96,3 +90,39 @@ def read_summary(output: Path) -> dict:
     found = sorted(Path(output).glob("*/*/*/summary.json"))
     assert found, f"no summary.json under {output}"
     return json.loads(found[-1].read_text())
+
+
+def flat_tensors(state: dict, prefix: str = "") -> dict:
+    """{'model.x': tensor, 'optim.x.exp_avg': tensor, ...} of a nested state."""
+    out = {}
+    for key, value in state.items():
+        if isinstance(value, dict):
+            out.update(flat_tensors(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
+
+
+def checkpoint_tensors(path: Path) -> dict:
+    """A checkpoint's model and optimizer tensors by flattened name; a folder's gathered whole
+    with torch.distributed.checkpoint's own converter."""
+    import tempfile
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    path = Path(path)
+    if path.is_dir():
+        with tempfile.TemporaryDirectory() as scratch:
+            dcp_to_torch_save(path, Path(scratch) / "whole.pt")
+            state = torch.load(Path(scratch) / "whole.pt", weights_only=True)
+    else:
+        state = torch.load(path, weights_only=True)["state"]
+    return {k: v for k, v in flat_tensors(state).items() if k.split(".")[0] in ("model", "optim")}
+
+
+def backend_tensors(backend) -> dict:
+    """What a backend would save now, whole, by flattened name."""
+    from accel.checkpoint import to_cpu
+
+    return flat_tensors(to_cpu(backend.checkpoint_state()))

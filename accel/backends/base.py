@@ -3,16 +3,22 @@
 torchax needs a pure step function carrying weights and optimizer state, so the seam sits around
 the full optimizer step (micro-batches, gradient averaging, clipping, update). Each backend lives in
 one file of this package and is found by name; its framework imports stay inside that file.
+
+A backend module provides SUPPORTS (what it can run), require() (raise BackendUnavailable where it
+cannot run here), context() (this process's place among the replicas) and build(cfg, ctx).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from models.factory import ImageClassifier
+from accel.config import AMP_LEVELS, RunConfig
+from accel.distributed import DistContext
+from models.factory import ModelConfig
 
 Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 NCHW images, float soft targets
 
@@ -30,14 +36,34 @@ class RecompileError(RuntimeError):
     """The compiled graph keeps changing after warm-up (--max_recompiles): one line, exit 3."""
 
 
+@dataclass(frozen=True)
+class Supports:
+    """What a backend can run; the launcher refuses the rest in one line, before any work."""
+
+    amp_levels: tuple[str, ...] = AMP_LEVELS
+    float16: bool = False  # --amp_dtype float16 (loss scaling)
+    shard: tuple[str, ...] = ("none",)  # --shard modes
+    tp_head: bool = False
+    pp: bool = False
+    remat: bool = False
+    data_device_gpu: bool = False  # --data_device gpu (JPEGs decoded on the CUDA device)
+    # How --nproc_per_node N runs: "processes" (torchrun, one a device) or "devices" (one
+    # process drives N devices).
+    replicas: str = "processes"
+    cpu_replicas: bool = True  # more than one replica on a CPU machine
+    kernel_opt: str = "nothing"  # what --kernel-opt adds
+
+
 @runtime_checkable
 class Backend(Protocol):
     name: str
     local_replicas: int  # devices one process drives (jax: its local devices; others: 1)
     pin_memory: bool  # whether the loader should hand over batches in pinned host memory
+    data_parallel: tuple[int, int]  # (rank, ranks) the data is split over
+    sharded_checkpoint: bool  # every rank writes its own part (DCP), or one file from rank 0
 
-    def setup(self, model: ImageClassifier) -> None:
-        """Place the model, build the optimizer and whatever the step needs."""
+    def setup(self, model_cfg: ModelConfig) -> None:
+        """Build the model (only what this rank keeps), the optimizer and the step."""
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
         """Move host batches to the device, prefetching where the backend can."""
@@ -53,15 +79,21 @@ class Backend(Protocol):
     def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
         """Mean loss and top-1 accuracy over masked, padded batches, reduced over ranks."""
 
-    def state_dict(self) -> dict[str, Any]:
-        """{'model': fp32 torch state dict, 'optimizer': torch optimizer state dict, ...}."""
+    def checkpoint_state(self) -> dict[str, Any]:
+        """{'model': {name: tensor}, 'optim': {name: {'step', 'exp_avg', 'exp_avg_sq'}}} by the
+        full model's parameter names: whole CPU tensors for a one-file checkpoint, or this
+        rank's part (DTensors, or the parameters it holds) for a sharded one. Loading fills
+        the same structure in place of the values."""
 
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
 
-    def rng_state(self) -> dict[str, Any]:
+    def rng_state(self) -> dict[str, torch.Tensor]:
         """This replica's device random generator state (empty where there is none)."""
 
-    def load_rng_state(self, state: dict[str, Any]) -> None: ...
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None: ...
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank (every rank gets the same answer)."""
 
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""
@@ -71,3 +103,18 @@ class Backend(Protocol):
 
     def stats(self) -> dict[str, Any]:
         """compiles_after_warmup, fallback_ops and whatever else the backend can tell."""
+
+
+class BackendModule(Protocol):
+    """What accel/backends/<name>.py provides."""
+
+    SUPPORTS: Supports
+
+    def require(self) -> None: ...
+
+    def context(self, cfg: RunConfig) -> DistContext: ...
+
+    def build(self, cfg: RunConfig, ctx: DistContext) -> Backend: ...
+
+
+ReplicaFn = Callable[[int, RunConfig], Any]

@@ -1,51 +1,62 @@
-"""torch.compile (inductor) backend: the eager backend with a compiled model."""
+"""torch.compile (inductor) backend: the eager backend with the training forward and the loss
+compiled as one graph, as in a user's own compiled step (the soft-target cross-entropy fuses with
+the classifier instead of running eagerly)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from accel.backends.base import Supports
 from accel.backends.eager import EagerBackend
 from accel.config import RunConfig
-from accel.distributed import DistContext
-from models.factory import ImageClassifier
+from accel.distributed import DistContext, env_context
 
-KERNEL_OPTS = "as eager, plus inductor's max-autotune mode"
+SUPPORTS = Supports(
+    float16=True,
+    shard=("none", "full", "grad_op"),
+    tp_head=True,
+    remat=True,
+    data_device_gpu=True,
+    kernel_opt="inductor's max-autotune (without CUDA graphs)",
+)
 
 
 def require() -> None:
     """torch.compile ships with torch."""
 
 
-def build(cfg: RunConfig, ctx: DistContext) -> CompileBackend:
-    return CompileBackend(cfg, ctx)
+def context(cfg: RunConfig) -> DistContext:
+    return env_context()
 
 
-def _frames_compiled() -> int:
+def build(cfg: RunConfig, ctx: DistContext) -> EagerBackend:
+    return EagerBackend(cfg, ctx, compiler=Inductor(cfg.kernel_opt))
+
+
+def frames_compiled() -> int:
     from torch._dynamo.utils import counters
 
     return int(counters["frames"]["ok"])
 
 
-class CompileBackend(EagerBackend):
-    """The training forward and the loss compile as one graph, as in a user's own compiled
-    step: the soft-target cross-entropy fuses with the classifier instead of running eagerly."""
+class Inductor:
+    """Compiles the step's forward and loss; counts the frames dynamo compiles."""
 
-    name = "compile"
+    def __init__(self, kernel_opt: bool):
+        self.mode = "max-autotune-no-cudagraphs" if kernel_opt else None
+        self.at_warmup = 0
 
-    def setup(self, model: ImageClassifier) -> None:
-        self._frames_at_warmup = 0
-        super().setup(model)
-        mode = "max-autotune-no-cudagraphs" if self.cfg.kernel_opt else None
-        self.forward_loss = torch.compile(self.forward_loss, mode=mode)
+    def __call__(self, fn: Callable) -> Callable:
+        return torch.compile(fn, mode=self.mode)
 
     def mark_warmup_done(self) -> None:
-        self._frames_at_warmup = _frames_compiled()
+        self.at_warmup = frames_compiled()
 
     def stats(self) -> dict[str, Any]:
         return {
-            **super().stats(),
-            "graphs_compiled": _frames_compiled(),
-            "compiles_after_warmup": _frames_compiled() - self._frames_at_warmup,
+            "graphs_compiled": frames_compiled(),
+            "compiles_after_warmup": frames_compiled() - self.at_warmup,
         }

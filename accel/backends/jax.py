@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import os
 import queue
 import threading
@@ -26,31 +27,64 @@ import numpy as np
 import torch
 
 from accel.amp import AmpPolicy, amp_policy
-from accel.backends.base import BackendUnavailable, Batch, StepResult
+from accel.backends.base import BackendUnavailable, Batch, StepResult, Supports
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
-from accel.optim import decay_mask, weight_decay_groups
+from accel.losses import eval_sums, summarise
+from accel.optim import decay_mask
 from accel.parallel import effective_shard
-from models.factory import ImageClassifier
+from models.factory import ModelConfig, create_model
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
-KERNEL_OPTS = (
-    "nothing more: attention always runs through jax.nn.dot_product_attention "
-    "(cuDNN flash attention on GPU)"
+SUPPORTS = Supports(
+    shard=("none", "full", "grad_op"),
+    remat=True,
+    data_device_gpu=True,
+    replicas="devices",
+    kernel_opt="nothing more: attention always runs through jax.nn.dot_product_attention "
+    "(cuDNN flash attention on GPU)",
 )
 
-try:
-    import jax
-    import jax.numpy as jnp
-    import optax
-    import torchax
-    from jax.sharding import Mesh, NamedSharding
-    from jax.sharding import PartitionSpec as P
-    from torchax import interop
-    from torchax.ops import ops_registry
-    from torchax.tensor import OperatorNotFound
+# What torchax's imports log that says nothing about a run: flax's notice that TensorFlow's file
+# API is absent, and torchax registering one op twice.
+IMPORT_NOTICES = ("Tensorflow library not found", "Duplicate op registration for aten.__and__")
 
-    from accel.backends.jax_attention import AttentionKernels
+
+class _DropNotices(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(notice in record.getMessage() for notice in IMPORT_NOTICES)
+
+
+@contextlib.contextmanager
+def quiet_imports():
+    """Drop IMPORT_NOTICES, and keep a module-level logging.warning() inside the imports from
+    configuring the root logger for the whole process (a NullHandler stands in meanwhile)."""
+    root, drop, stand_in = logging.getLogger(), _DropNotices(), logging.NullHandler()
+    root.addHandler(stand_in)
+    handlers = [*root.handlers, *logging.getLogger("absl").handlers]
+    for handler in handlers:
+        handler.addFilter(drop)
+    try:
+        yield
+    finally:
+        for handler in handlers:
+            handler.removeFilter(drop)
+        root.removeHandler(stand_in)
+
+
+try:
+    with quiet_imports():
+        import jax
+        import jax.numpy as jnp
+        import optax
+        import torchax
+        from jax.sharding import Mesh, NamedSharding
+        from jax.sharding import PartitionSpec as P
+        from torchax import interop
+        from torchax.ops import ops_registry
+        from torchax.tensor import OperatorNotFound
+
+        from accel.backends.jax_attention import AttentionKernels
 except ImportError:  # reported by require() as one line with the install command
     jax = None
 
@@ -71,12 +105,8 @@ def build(cfg: RunConfig, ctx: DistContext) -> JaxBackend:
     return JaxBackend(cfg, ctx)
 
 
-def launch_replicas(cfg: RunConfig, fn: Callable[[int, RunConfig], Any]) -> None:
-    """One process drives all its local devices: no extra processes to start."""
-    fn(0, cfg)
-
-
-def replica_context() -> DistContext:
+def context(cfg: RunConfig) -> DistContext:
+    """One process drives its local devices; several hosts join through jax.distributed."""
     if os.environ.get("JAX_COORDINATOR_ADDRESS") and not jax.distributed.is_initialized():
         jax.distributed.initialize()
     return DistContext(jax.process_index(), 0, jax.process_count())
@@ -270,11 +300,13 @@ class DevicePrefetcher:
 class JaxBackend:
     name = "jax"
     pin_memory = False  # device_put stages host arrays itself
+    sharded_checkpoint = False  # one process holds every array it trains: one file
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         if cfg.amp_level != "O0" and cfg.amp_dtype != "bfloat16":
             raise ConfigError("the jax backend does low precision in bfloat16 (--amp_dtype)")
         self.cfg, self.ctx = cfg, ctx
+        self.data_parallel = (ctx.rank, ctx.world_size)
         self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
         self.precision = Precision.of(self.amp)
         # Before the first compile: JAX reads the cache settings once per process.
@@ -282,7 +314,7 @@ class JaxBackend:
         self.monitor = CompileMonitor.get()
         self.compile_events_at_start = self.monitor.snapshot()
         devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
-        self.local_replicas = cfg.nproc_per_node
+        self.local_replicas = cfg.parallel.nproc_per_node
         if self.local_replicas > jax.local_device_count():
             raise ConfigError(
                 f"--nproc_per_node {self.local_replicas} exceeds the {jax.local_device_count()} "
@@ -290,10 +322,11 @@ class JaxBackend:
             )
         self.mesh = Mesh(np.array(devices[: self.local_replicas * jax.process_count()]), ("data",))
         self.replicated = NamedSharding(self.mesh, P())
-        self.shard = effective_shard(cfg.shard, self.mesh.size)
+        self.shard = effective_shard(cfg.parallel.shard, self.mesh.size)
         if self.shard != "none" and jax.process_count() > 1:
             raise ConfigError("--shard on jax shards over one process's devices, not across hosts")
-        self.env = torchax.default_env()
+        with quiet_imports():  # torchax registers its ops on first use
+            self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
         self.base_key = jax.random.key(cfg.seed)
         on_gpu = jax.default_backend() == "gpu"
@@ -304,7 +337,8 @@ class JaxBackend:
         self.sdpa = torch_sdpa(self.attention)
 
     # --- set-up -------------------------------------------------------------------------------
-    def setup(self, model: ImageClassifier) -> None:
+    def setup(self, model_cfg: ModelConfig) -> None:
+        model = create_model(model_cfg, seed=self.cfg.seed)
         self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
         self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
         store = self.precision.store
@@ -324,6 +358,7 @@ class JaxBackend:
         self.forward = interop.jax_view(self._torch_forward)
         self.step_fn = self._jit_step()
         self.eval_fn = jax.jit(self._eval_sums)
+        self.torch_eval_sums = interop.jax_view(eval_sums)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
 
     def shardings(self, tree: Any, split: bool) -> Any:
@@ -420,7 +455,7 @@ class JaxBackend:
         )
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
-        return iter(DevicePrefetcher(batches, self._put, self.cfg.device_prefetch))
+        return iter(DevicePrefetcher(batches, self._put, self.cfg.compiler.device_prefetch))
 
     def _put(self, batch: Batch) -> tuple:
         arrays = tuple(from_torch(t) for t in batch)
@@ -465,13 +500,11 @@ class JaxBackend:
     # --- evaluation ---------------------------------------------------------------------------
     def _eval_sums(self, params, buffers, images, labels, mask):
         logits = self.logits(params, buffers, images)
-        loss = -jnp.take_along_axis(jax.nn.log_softmax(logits, -1), labels[:, None], -1)[:, 0]
-        correct = (logits.argmax(-1) == labels).astype(jnp.float32)
-        mask = mask.astype(jnp.float32)
-        return jnp.stack([(loss * mask).sum(), (correct * mask).sum(), mask.sum()])
+        with self.env:  # the torch backends' own evaluation sums, lowered by torchax
+            return self.torch_eval_sums(logits, labels, mask)
 
     def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
-        sums = jnp.zeros(3, jnp.float32)
+        sums = jnp.zeros(4, jnp.float32)
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
                 arrays = [
@@ -479,27 +512,10 @@ class JaxBackend:
                     for k in ("images", "labels", "mask")
                 ]
                 sums = sums + self.eval_fn(self.params, self.buffers, *arrays)
-        loss_sum, correct, count = (float(x) for x in jax.device_get(sums))
-        count = max(count, 1.0)
-        return {
-            "eval_loss": loss_sum / count,
-            "eval_acc": correct / count,
-            "eval_images": int(count),
-        }
+        return summarise([float(x) for x in jax.device_get(sums)])
 
-    # --- state: the torch backends' checkpoint format ----------------------------------------
-    def _torch_order(self) -> list[str]:
-        """Parameter names in the order torch.optim.AdamW numbers them."""
-        names = {id(p): n for n, p in self.module.named_parameters()}
-        groups = weight_decay_groups(self.module, self.cfg.optim.weight_decay)
-        return [names[id(p)] for g in groups for p in g["params"]]
-
-    def _param_groups(self) -> list[dict]:
-        groups = weight_decay_groups(self.module, self.cfg.optim.weight_decay)
-        template = torch.optim.AdamW(groups, lr=self.cfg.optim.lr, betas=self.cfg.optim.betas)
-        return template.state_dict()["param_groups"]
-
-    def state_dict(self) -> dict[str, Any]:
+    # --- state: by the torch model's parameter names, as the torch backends keep it --------
+    def checkpoint_state(self) -> dict[str, Any]:
         values = {**self.buffers, **self.params}
         # The torch module's own dtypes (fp32 weights, int64 indices; JAX keeps int32).
         model = {
@@ -507,37 +523,43 @@ class JaxBackend:
         }
         adam = adam_state(self.opt_state)
         step = torch.tensor(float(jax.device_get(adam.count)))
-        state = {
-            i: {
+        optim = {
+            n: {
                 "step": step.clone(),
                 "exp_avg": to_torch(adam.mu[n]).float(),
                 "exp_avg_sq": to_torch(adam.nu[n]).float(),
             }
-            for i, n in enumerate(self._torch_order())
+            for n in self.param_names
         }
-        return {"model": model, "optimizer": {"state": state, "param_groups": self._param_groups()}}
+        return {"model": model, "optim": optim}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}
         self.params = jax.device_put(params, self.param_shardings)
-        saved = state["optimizer"]["state"]
-        order = self._torch_order()
+        saved = state["optim"]
         adam = adam_state(self.optimizer.init(self.params))
         if saved:
-            step = int(saved[0]["step"])
-            mu = {n: to_jax(saved[i]["exp_avg"], store) for i, n in enumerate(order)}
-            nu = {n: to_jax(saved[i]["exp_avg_sq"], store) for i, n in enumerate(order)}
+            step = int(saved[self.param_names[0]]["step"])
+            mu = {n: to_jax(saved[n]["exp_avg"], store) for n in self.param_names}
+            nu = {n: to_jax(saved[n]["exp_avg_sq"], store) for n in self.param_names}
             adam = optax.ScaleByAdamState(count=jnp.asarray(step, jnp.int32), mu=mu, nu=nu)
         opt_state = replace_adam_state(self.optimizer.init(self.params), adam)
         self.opt_state = jax.device_put(opt_state, self.opt_shardings)
 
-    def rng_state(self) -> dict[str, Any]:
+    def rng_state(self) -> dict[str, torch.Tensor]:
         """None to save: the step's keys follow from the seed and the optimizer's step count."""
         return {}
 
-    def load_rng_state(self, state: dict[str, Any]) -> None:
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         """Nothing to restore (see rng_state)."""
+
+    def any_rank(self, flag: bool) -> bool:
+        if jax.process_count() == 1:
+            return flag
+        from jax.experimental import multihost_utils
+
+        return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
     # --- bookkeeping --------------------------------------------------------------------------
     def synchronize(self) -> None:

@@ -4,11 +4,10 @@ One graph per optimizer step (cut by torch_xla.sync), uint8 batches through MpDe
 gradients all-reduced explicitly with scale 1/world_size before the optimizer step, XLA autocast
 for AMP, and compile accounting from torch_xla's metrics.
 
-Several replicas start through torch_xla.launch (one process per TPU chip). On PJRT CPU,
-torch_xla runs several devices as threads of one process, and their in-process all-reduce does not
-reliably meet (two threads compiling one graph get executables with different collective ids, and a
-sync can wait on an all-reduce the other thread has not issued), so more than one CPU replica is
-refused rather than left to hang.
+On PJRT CPU, torch_xla runs several devices as threads of one process, and their in-process
+all-reduce does not reliably meet (two threads compiling one graph get executables with different
+collective ids, and a sync can wait on an all-reduce the other thread has not issued), so more
+than one CPU replica is refused rather than left to hang.
 
 The XLA runtime must start before the first autograd backward of the process (the autograd engine
 sizes its per-device queues then): run eager and xla in separate processes, or xla first.
@@ -20,20 +19,26 @@ import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import nn
 
-from accel.backends.base import BackendUnavailable, Batch, RecompileError, StepResult
-from accel.backends.eager import EagerBackend
+from accel.amp import amp_policy
+from accel.backends.base import BackendUnavailable, Batch, RecompileError, StepResult, Supports
+from accel.backends.torch_core import TorchCore, local_norm
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
+from accel.losses import eval_sums, soft_target_loss, summarise
+from models.factory import ModelConfig, create_model
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
-KERNEL_OPTS = "torch_xla's syncfree AdamW (O0-O2: its kernel needs fp32 weights)"
+SUPPORTS = Supports(
+    replicas="devices",
+    cpu_replicas=False,
+    kernel_opt="torch_xla's syncfree AdamW (O0-O2: its kernel needs fp32 weights)",
+)
 
 try:
     import torch_xla
@@ -65,23 +70,18 @@ def build(cfg: RunConfig, ctx: DistContext) -> XlaBackend:
 
 
 def runs_on_cpu() -> bool:
-    """Where PJRT will run, without starting the runtime (torch_xla.launch must start it)."""
+    """Where PJRT will run, without starting the runtime."""
     device = os.environ.get("PJRT_DEVICE", "")
     return device == "CPU" or (not device and importlib.util.find_spec("libtpu") is None)
 
 
-def launch_replicas(cfg: RunConfig, fn: Callable[[int, RunConfig], Any]) -> None:
-    """Run `fn(index, cfg)` on every replica (one process per chip)."""
-    if runs_on_cpu():
+def context(cfg: RunConfig) -> DistContext:
+    if cfg.parallel.nproc_per_node > 1 and runs_on_cpu():
         raise ConfigError(
             "--backend xla runs one replica on PJRT CPU (its in-process all-reduce between "
             "threads is unreliable); use --nproc_per_node 1, or eager/compile for CPU DDP"
         )
-    torch_xla.launch(fn, args=(cfg,))
-
-
-def replica_context() -> DistContext:
-    return DistContext(xr.global_ordinal(), xr.local_ordinal(), xr.world_size())
+    return DistContext()
 
 
 def init_compile_cache(path: Path, readonly: bool) -> bool:
@@ -124,42 +124,61 @@ def updated_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> di
     return {"param": param, **state}
 
 
-class XlaBackend(EagerBackend):
+def where_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
+    """In the graph, without a host sync: the update is computed, then undone where `finite` is
+    false (AdamW's step count lives on the device: capturable)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    # Lazy tensors: a clone is a reference to the value in the graph, not a device copy.
+    before = {p: {k: v.clone() for k, v in updated_tensors(optimizer, p).items()} for p in params}
+    optimizer.step()
+    with torch.no_grad():
+        for p in params:
+            for name, new in updated_tensors(optimizer, p).items():
+                # State the first step creates starts at zero (AdamW's moments and count).
+                old = before[p].get(name, torch.zeros_like(new))
+                new.copy_(torch.where(finite, new, old))
+
+
+def syncfree_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
+    """torch_xla's syncfree AdamW skips the update in its own kernel."""
+    optimizer.step(found_inf=(~finite).float())
+
+
+class XlaBackend:
     name = "xla"
+    local_replicas = 1
+    pin_memory = False  # MpDeviceLoader stages host batches itself
+    sharded_checkpoint = False
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
-        if cfg.amp_level != "O0" and cfg.amp_dtype != "bfloat16":
-            raise ConfigError("the xla backend does low precision in bfloat16 (--amp_dtype)")
-        if cfg.remat:
-            raise ConfigError("--remat is not supported by the xla backend (eager, compile, jax)")
-        if cfg.shard != "none":
-            raise ConfigError("--shard is not supported by the xla backend (eager, compile, jax)")
+        self.cfg, self.ctx = cfg, ctx
         self.persistent_cache = init_compile_cache(cfg.compile_cache_dir(), not ctx.is_main)
-        super().__init__(cfg, ctx)
+        self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
+        self.device = torch_xla.device()
+        self.data_parallel = (ctx.rank, ctx.world_size)
+        # syncfree AdamW's fused kernel takes fp32 parameters only (bf16 ones at O3 fail XLA's
+        # verifier or give NaN), so O3 keeps torch's AdamW.
+        self.syncfree = cfg.kernel_opt and self.amp.level != "O3"
         if cfg.kernel_opt and not self.syncfree:
             warnings.warn(
                 "--kernel-opt on xla: syncfree AdamW needs fp32 weights, O3 uses torch's AdamW",
                 stacklevel=2,
             )
+        guard = syncfree_guard if self.syncfree else where_guard
+        self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard)
         self.compiles_at_start = compile_count()  # the counters are per process, not per run
         self.compiles_at_warmup: int | None = None
         self.input_shapes: set = set()
 
-    def default_device(self) -> torch.device:
-        return torch_xla.device()
-
-    def wrap_model(self, module: nn.Module) -> nn.Module:
+    def setup(self, model_cfg: ModelConfig) -> None:
+        model = create_model(model_cfg, seed=self.cfg.seed)
+        self.module = model.to(self.device, dtype=self.amp.param_dtype)
         if self.ctx.distributed:  # every replica starts from replica 0's weights
-            xm.broadcast_master_param(module)
+            xm.broadcast_master_param(self.module)
         # Device random draws (dropout, stochastic depth) differ between replicas.
         xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
-        return module
-
-    @property
-    def syncfree(self) -> bool:
-        """--kernel-opt's syncfree AdamW; its fused kernel takes fp32 parameters only (bf16 ones
-        at O3 fail XLA's verifier or give NaN), so O3 keeps torch's AdamW."""
-        return self.cfg.kernel_opt and self.amp.level != "O3"
+        head = self.module.classifier_parameters()
+        self.core.attach([self.module], self.cfg.optim.weight_decay, self.adamw, head)
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
@@ -172,11 +191,12 @@ class XlaBackend(EagerBackend):
         return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=True)
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        compiler = self.cfg.compiler
         loader = pl.MpDeviceLoader(
             record_shapes(batches, self.input_shapes),
             self.device,
-            loader_prefetch_size=self.cfg.loader_prefetch,
-            device_prefetch_size=self.cfg.device_prefetch,
+            loader_prefetch_size=compiler.loader_prefetch,
+            device_prefetch_size=compiler.device_prefetch,
             batches_per_execution=self.cfg.optim.grad_accum,
         )
         return iter(loader)
@@ -190,44 +210,38 @@ class XlaBackend(EagerBackend):
         # torch_xla.amp.autocast does nothing off TPU in 2.9; torch.autocast('xla') works.
         return torch.autocast("xla", dtype=self.amp.dtype)
 
-    def accumulation_context(self, last: bool):
-        return contextlib.nullcontext()  # no DDP: gradients are reduced explicitly below
+    def train_step(self, micro_batches: list[Batch], lr: float) -> torch.Tensor:
+        """One graph: forward and backward of every micro-batch, the explicit gradient
+        all-reduce, clipping and the guarded update; returns [mean loss, applied]."""
+        total = torch.zeros((), device=self.device)
+        for images, targets in micro_batches:
+            with self.autocast():
+                loss = soft_target_loss(self.module(images), targets) / len(micro_batches)
+            self.core.backward(loss)
+            total += loss.detach()
+        self.reduce_gradients()
+        loss = self.all_reduce(total, mean=True)
+        applied = self.core.update(lr, loss, self.cfg.optim.clip_grad, self.grad_norm)
+        self.step_done()
+        return torch.stack([loss, applied.float()])
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return local_norm([p.grad for p in params if p.grad is not None])
 
     def reduce_gradients(self) -> None:
         if not self.ctx.distributed:
             return
-        if self.cfg.grad_reduce == "optimizer_step":  # what xm.optimizer_step reduces with
-            xm.reduce_gradients(ParamGroups(self.params))
+        if self.cfg.compiler.grad_reduce == "optimizer_step":  # what xm.optimizer_step does
+            xm.reduce_gradients(ParamGroups(self.core.params))
             return
-        grads = [p.grad for p in self.params if p.grad is not None]
+        grads = [p.grad for p in self.core.params if p.grad is not None]
         xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / self.ctx.world_size)
 
-    def guarded_step(self, finite: torch.Tensor) -> None:
-        """In the graph, without a host sync: the update is computed, then undone where
-        `finite` is false (syncfree AdamW skips it in its own kernel)."""
-        if self.syncfree:
-            self.optimizer.step(found_inf=(~finite).float())
-            return
-        params = self.optimizer_params
-        # Lazy tensors: a clone is a reference to the value in the graph, not a device copy.
-        before = {
-            p: {k: v.clone() for k, v in updated_tensors(self.optimizer, p).items()} for p in params
-        }
-        self.optimizer.step()
-        with torch.no_grad():
-            for p in params:
-                for name, new in updated_tensors(self.optimizer, p).items():
-                    # State the first step creates starts at zero (AdamW's moments and count).
-                    old = before[p].get(name, torch.zeros_like(new))
-                    new.copy_(torch.where(finite, new, old))
-
-    def all_reduce_mean(self, value: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, value: torch.Tensor, mean: bool = False) -> torch.Tensor:
         if not self.ctx.distributed:
             return value
-        return xm.all_reduce(xm.REDUCE_SUM, value, scale=1.0 / self.ctx.world_size)
-
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        return xm.all_reduce(xm.REDUCE_SUM, value) if self.ctx.distributed else value
+        scale = 1.0 / self.ctx.world_size if mean else 1.0
+        return xm.all_reduce(xm.REDUCE_SUM, value, scale=scale)
 
     def step_done(self) -> None:
         torch_xla.sync()
@@ -239,16 +253,42 @@ class XlaBackend(EagerBackend):
         rows = [handle.cpu().tolist() for handle in handles]
         return [StepResult(loss, applied > 0) for loss, applied in rows]
 
-    def rng_state(self) -> dict[str, Any]:
-        return {"xla": xm.get_rng_state(self.device)}
-
-    def load_rng_state(self, state: dict[str, Any]) -> None:
-        if "xla" in state:
-            xm.set_rng_state(state["xla"], self.device)
-
-    def host_values(self, value: torch.Tensor) -> list[float]:
+    @torch.no_grad()
+    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
+        self.module.eval()
+        sums = torch.zeros(4, device=self.device)
+        for batch in batches:
+            images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
+            with self.autocast():
+                sums += eval_sums(self.module(images), labels, mask)
+            self.step_done()
+        self.module.train()
+        sums = self.all_reduce(sums)
         torch_xla.sync()
-        return value.cpu().tolist()
+        return summarise(sums.cpu().tolist())
+
+    # --- state --------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.core.named_state()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.core.load_named_state(state)
+        torch_xla.sync()
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        seed = xm.get_rng_state(self.device)  # an unsigned 64-bit seed: kept as two halves
+        return {"xla": torch.tensor([seed >> 32, seed & 0xFFFFFFFF], dtype=torch.int64)}
+
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        if "xla" in state:
+            high, low = state["xla"].tolist()
+            xm.set_rng_state((high << 32) | low, self.device)
+
+    def any_rank(self, flag: bool) -> bool:
+        if not self.ctx.distributed:
+            return flag
+        value = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([float(flag)], device=self.device))
+        return bool(value.cpu().item())
 
     def synchronize(self) -> None:
         xm.wait_device_ops()
@@ -261,7 +301,7 @@ class XlaBackend(EagerBackend):
         return 0 if self.compiles_at_warmup is None else compile_count() - self.compiles_at_warmup
 
     def check_recompiles(self) -> None:
-        limit = self.cfg.max_recompiles
+        limit = self.cfg.compiler.max_recompiles
         if limit >= 0 and self.compiles_after_warmup() > limit:
             raise RecompileError(
                 f"{self.compiles_after_warmup()} graphs compiled after warm-up (limit "
@@ -291,4 +331,5 @@ class XlaBackend(EagerBackend):
             "persistent_cache_hits": met.counter_value("PersistentCacheHit") or 0,
             "fallback_ops": fallback_ops(),
             "input_shapes": sorted(str(s[0]) for s in self.input_shapes),
+            "state_bytes": self.core.measured,
         }

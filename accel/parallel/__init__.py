@@ -1,4 +1,7 @@
-"""Ways to spread a model over devices beyond data parallel replicas."""
+"""Ways to spread a model over devices beyond data-parallel replicas, as functions applied to a
+model: `apply_fsdp` (fsdp.py), `apply_tp_head` (tp_head.py), `cut_vit` and `schedule_stages`
+(pipeline.py), the process mesh (mesh.py), and building only a rank's part (materialize.py).
+Nothing here imports a backend."""
 
 from __future__ import annotations
 

@@ -1,22 +1,19 @@
 """Sharded data parallel for the torch backends: PyTorch's FSDP2 (`fully_shard`), one unit per
-transformer block, and the state-dict helpers its checkpoints go through (torch.distributed
-.checkpoint's FQN-keyed model and optimizer state, which load at any world size and into an
-unsharded model alike)."""
+transformer block, then the root."""
 
 from __future__ import annotations
 
 import warnings
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from accel.amp import AmpPolicy
+from models.factory import ImageClassifier
 
 # Where timm keeps a model's repeated units: ViT/DeiT/BEiT `blocks`, Swin `layers` (its stages),
 # ConvNeXt/MaxViT `stages`.
@@ -40,15 +37,15 @@ def mixed_precision(amp: AmpPolicy) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def shard_model(
-    module: nn.Module, blocks: list[nn.Module], mode: str, amp: AmpPolicy, device_type: str
-) -> None:
-    """fully_shard each block, then the root (the embeddings, norm and head), over all ranks.
+def apply_fsdp(module: nn.Module, mode: str, amp: AmpPolicy, device_type: str) -> None:
+    """fully_shard each transformer block of the timm model inside `module` (an
+    ImageClassifier), then the root (the embeddings, norm and head), over all ranks.
     `grad_op` keeps each unit's gathered weights from the forward to the backward (ZeRO-2's
     memory for one all-gather less a step); `full` frees them after the forward."""
     # An explicit mesh: FSDP's default asks torch for "the" accelerator, which fails in a
     # process where torch_xla has registered itself without one.
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
+    blocks = transformer_blocks(module.model if isinstance(module, ImageClassifier) else module)
     kwargs = {
         "mesh": mesh,
         "mp_policy": mixed_precision(amp),
@@ -67,35 +64,3 @@ def shard_model(
 def full_value(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's global value (a sharded norm's reduction); a plain tensor as it is."""
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
-
-
-def local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes this rank holds of `tensors` (its shards of DTensors)."""
-    total = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        total += local.numel() * local.element_size()
-    return total
-
-
-def optimizer_bytes(optimizer: torch.optim.Optimizer) -> int:
-    return local_bytes(
-        [v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)]
-    )
-
-
-def dcp_state(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """Model and optimizer state keyed by parameter name, sharded as the module is."""
-    model, optim = get_state_dict(module, optimizer)
-    return {"model": model, "optimizer": optim}
-
-
-def load_dcp_state(
-    module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
-) -> None:
-    set_state_dict(
-        module,
-        optimizer,
-        model_state_dict=state["model"],
-        optim_state_dict=state["optimizer"],
-    )

@@ -14,8 +14,10 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Shard
 
-from accel.parallel.layout import MeshLayout
+from accel.losses import masked_sums
+from accel.parallel.mesh import MeshLayout
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -45,6 +47,7 @@ class ShardedClassifier(nn.Module):
         self.start = layout.rank * self.per
         self.valid = max(0, min(self.per, self.classes - self.start))  # real classes here
         self.group = layout.group
+        self.mesh = layout.mesh
         self.weight = nn.Parameter(self.rows(full.weight.detach()))
         self.bias = nn.Parameter(self.rows(full.bias.detach()))
 
@@ -54,11 +57,16 @@ class ShardedClassifier(nn.Module):
         out[: self.valid] = full[self.start : self.start + self.valid]
         return out
 
-    def gather(self, local: torch.Tensor) -> torch.Tensor:
-        """The full (classes, ...) tensor from every rank's rows (checkpoints)."""
-        parts = [torch.empty_like(local) for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
-        return torch.cat(parts)[: self.classes]
+    def whole_view(self, local: torch.Tensor) -> DTensor:
+        """This rank's rows of a (per, ...) tensor (a parameter, or its AdamW moment) as a
+        DTensor of the whole classifier's shape, without the padding and without a copy:
+        checkpoints save and reshard it as any other sharded tensor. DTensor splits an uneven
+        axis as torch.chunk does, ceil(classes / size) rows a rank, which is this layout."""
+        shape = (self.classes, *local.shape[1:])
+        stride = torch.empty(shape, device="meta").stride()
+        return DTensor.from_local(
+            local[: self.valid], self.mesh, [Shard(0)], shape=torch.Size(shape), stride=stride
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = nn.functional.linear(
@@ -75,9 +83,9 @@ class ShardedClassifier(nn.Module):
         return nn.functional.pad(local, (0, self.per - self.valid))
 
 
-def shard_classifier(model: nn.Module, layout: MeshLayout) -> ShardedClassifier:
+def apply_tp_head(model: nn.Module, layout: MeshLayout) -> ShardedClassifier:
     """Replace the timm model's classifier (get_classifier(): ViT's head, Swin's head.fc) by
-    this rank's shard of it."""
+    this rank's shard of it (on the meta device, before the rank's part is allocated)."""
     full = model.get_classifier()
     if not isinstance(full, nn.Linear):
         raise ValueError(
@@ -124,23 +132,24 @@ def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor, head: ShardedC
 def eval_sums(
     logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, head: ShardedClassifier
 ) -> torch.Tensor:
-    """[loss sum, correct, count] over the valid samples, as eager's eval_sums, without the full
-    logits: top-1 from each shard's best (value, class), compared across the shards."""
-    logits, mask = logits.float(), mask.float()
+    """masked_sums, as accel.losses.eval_sums, without the full logits: the top-k from each
+    shard's best k (value, class), compared across the shards."""
+    logits = logits.float()
     onehot = torch.zeros_like(logits)
     local = labels - head.start
     here = (local >= 0) & (local < head.valid)
     onehot[here, local[here]] = 1.0
     loss = _ParallelSoftTargetCE.apply(logits, onehot, head.group)
-    best, index = logits.max(-1)
+    k = min(5, head.per)
+    best, index = logits.topk(k, dim=-1)  # [batch, k]
     candidates = torch.stack([best, (index + head.start).float()])
     gathered = [torch.empty_like(candidates) for _ in range(dist.get_world_size(head.group))]
     dist.all_gather(gathered, candidates, group=head.group)
-    values = torch.stack([g[0] for g in gathered])  # [tp, batch]
-    classes = torch.stack([g[1] for g in gathered])
-    predicted = classes.gather(0, values.argmax(0, keepdim=True))[0].long()
-    correct = (predicted == labels).float()
-    return torch.stack([(loss * mask).sum(), (correct * mask).sum(), mask.sum()])
+    values = torch.cat([g[0] for g in gathered], dim=-1)  # [batch, tp * k]
+    classes = torch.cat([g[1] for g in gathered], dim=-1)
+    top = classes.gather(-1, values.topk(min(5, head.classes), dim=-1).indices).long()
+    hits = top == labels[:, None]
+    return masked_sums(loss, hits[:, 0], mask, hits.any(-1))
 
 
 def grad_norm(params: list[torch.Tensor], head_params: set[int], group) -> torch.Tensor:

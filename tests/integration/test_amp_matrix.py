@@ -83,7 +83,7 @@ def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bo
     )
     trainer = Trainer(cfg, DistContext())
     b = trainer.backend
-    seen = {} if backend == "jax" else _linear_output_dtypes(b.module)
+    seen = {} if backend == "jax" else _linear_output_dtypes(b.core.modules[0])
     summary = trainer.train()
     common = {
         "losses": summary["losses"],
@@ -105,9 +105,11 @@ def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bo
     return {
         **common,
         "step": {SHORT[str(d)] for d in seen.values()},
-        "weights": {SHORT[str(p.dtype)] for p in b.module.parameters()},
-        "optimizer": {SHORT[str(p.dtype)] for p in b.optimizer_params},
-        "recomputes": any(getattr(m, "grad_checkpointing", False) for m in b.module.modules()),
+        "weights": {SHORT[str(p.dtype)] for p in b.core.modules[0].parameters()},
+        "optimizer": {SHORT[str(p.dtype)] for p in b.core.optimizer_params},
+        "recomputes": any(
+            getattr(m, "grad_checkpointing", False) for m in b.core.modules[0].modules()
+        ),
     }
 
 

@@ -8,7 +8,6 @@ import torch.multiprocessing as mp
 
 from accel.backends.eager import EagerBackend
 from accel.distributed import DistContext
-from models.factory import create_model
 from tests.helpers import micro_config, read_summary, run_cli
 
 
@@ -21,11 +20,10 @@ def _batch(n: int = 8):
 
 def _gradients(tmp_path, ctx: DistContext, micro_batches) -> dict[str, torch.Tensor]:
     cfg = micro_config(tmp_path)
-    torch.manual_seed(0)
     backend = EagerBackend(cfg, ctx)
-    backend.setup(create_model(cfg.model))
-    backend.backward(micro_batches)
-    return {n: p.grad.clone() for n, p in backend.module.named_parameters()}
+    backend.setup(cfg.model)
+    backend.layout.forward_backward(micro_batches, backend.forward_loss, backend.core)
+    return {n: p.grad.clone() for n, p in backend.layout.module.named_parameters()}
 
 
 def _ddp_worker(rank: int, world: int, init_file: str, tmp_path, out_file: str) -> None:

@@ -8,7 +8,7 @@ import torch
 
 from accel.distributed import DistContext
 from accel.train import Trainer
-from data.collate import MixupConfig
+from data.config import MixupConfig
 from tests.helpers import micro_config, read_summary, run_cli
 from tests.unit.test_folder import dirty_mock_imagenet
 
@@ -90,9 +90,16 @@ def test_device_decoding_trains_eager_and_jax_on_the_same_batches(tmp_path, dirt
     matrix's O0 parity)."""
     runs = {}
     for backend in ("eager", "jax"):
-        cfg = micro_config(tmp_path / backend, backend=backend, source=str(dirty_imagenet))
-        cfg.data.decode_on, cfg.batch_size, cfg.steps = "cpu", 4, 6
-        cfg.data.mixup = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
+        cfg = micro_config(
+            tmp_path / backend,
+            backend=backend,
+            source=str(dirty_imagenet),
+            num_classes=3,
+            decode_on="cpu",
+            batch_size=4,
+            steps=6,
+            mixup=MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0),
+        )
         runs[backend] = Trainer(cfg, DistContext()).train()
     for summary in runs.values():
         assert summary["skipped_images"] == 3 and summary["steps"] == 6

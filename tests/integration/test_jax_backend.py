@@ -9,12 +9,11 @@ import torchax
 import accel.backends.jax as jax_backend
 from accel.backends.base import BackendUnavailable
 from accel.backends.eager import EagerBackend
-from accel.checkpoint import latest_checkpoint, load_checkpoint
+from accel.checkpoint import latest_checkpoint, to_cpu
 from accel.distributed import DistContext
 from accel.train import Trainer
-from data.collate import MixupConfig
+from data.config import MixupConfig
 from data.loaders import build_eval_loader
-from models.factory import create_model
 from tests.helpers import micro_config, read_summary, run_cli, run_cli_without
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
@@ -61,24 +60,24 @@ def test_two_forced_host_devices_train_with_mixup_without_recompiles(tmp_path, m
 
 
 def _eval_loss(backend, cfg) -> float:
-    loader = build_eval_loader(cfg.data, 32, cfg.batch_size, 0, 1, cfg.seed)
+    loader = build_eval_loader(cfg.data, 32, cfg.batch_size, (0, 1), cfg.seed, 10)
     return backend.evaluate(loader)["eval_loss"]
 
 
 def test_checkpoints_cross_between_jax_and_eager(tmp_path):
     summary = _train(tmp_path, "jax", eval=True)
-    saved = load_checkpoint(latest_checkpoint(tmp_path / "vit_micro" / "jax" / "t"))
+    saved = torch.load(latest_checkpoint(tmp_path / "vit_micro" / "jax" / "t"), weights_only=True)
     cfg = micro_config(tmp_path, synthetic_length=100)
     eager = EagerBackend(cfg, DistContext())
-    eager.setup(create_model(cfg.model))
-    eager.load_state_dict(saved["backend"])  # weights and AdamW moments, torch's own format
+    eager.setup(cfg.model)
+    eager.load_checkpoint_state(saved["state"])  # weights and AdamW moments by name
     assert _eval_loss(eager, cfg) == pytest.approx(summary["eval_loss"], rel=1e-5)
-    step = eager.optimizer.state_dict()["state"][0]["step"]
-    assert int(step) == 5
+    steps = {int(s["step"]) for s in eager.core.optimizer.state.values()}
+    assert steps == {5}
 
     back = jax_backend.JaxBackend(micro_config(tmp_path, backend="jax"), DistContext())
-    back.setup(create_model(cfg.model))
-    back.load_state_dict(eager.state_dict())
+    back.setup(cfg.model)
+    back.load_checkpoint_state(to_cpu(eager.checkpoint_state()))
     assert _eval_loss(back, cfg) == pytest.approx(summary["eval_loss"], rel=1e-5)
     assert int(jax_backend.adam_state(back.opt_state).count) == 5
 
@@ -99,11 +98,9 @@ def test_missing_jax_is_one_line_with_the_install_command(tmp_path):
 
 def _two_step_losses(tmp_path, drop_path: float) -> list[float]:
     """Losses of two steps with lr 0 (weights unchanged) on one fixed batch."""
-    cfg = micro_config(tmp_path, backend="jax", model="swin_micro")
-    cfg.model.drop_path_rate = drop_path
+    cfg = micro_config(tmp_path, backend="jax", model="swin_micro", drop_path_rate=drop_path)
     backend = jax_backend.JaxBackend(cfg, DistContext())
-    torch.manual_seed(0)
-    backend.setup(create_model(cfg.model))
+    backend.setup(cfg.model)
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
     targets = torch.softmax(torch.randn(8, 10, generator=gen), -1)

@@ -7,11 +7,10 @@ import numpy as np
 import pytest
 import torch.multiprocessing as mp
 
-from models.factory import ModelConfig
 from tests import nan_model
-from tests.helpers import read_summary, train_cli
+from tests.helpers import checkpoint_tensors, read_summary, train_cli
 from tests.integration.test_nan_policy import _config as _nan_config
-from tests.integration.test_nan_policy import _same, _state
+from tests.integration.test_nan_policy import _same
 from tests.integration.test_sharded import _nan_rank
 
 pytestmark = pytest.mark.slow
@@ -65,9 +64,9 @@ def test_dp2_by_pp2_trains_the_ddp_losses(runs):
 def test_pipeline_checkpoint_loads_into_plain_eager_and_resumes_exactly(runs, tmp_path):
     output, piped, _ = runs["1f1b"]
     checkpoints = output / "vit_micro_d4" / "eager" / "r" / "checkpoints"
-    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.pt"))
+    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.dcp"))
     np.testing.assert_allclose(plain["eval_loss"], piped["eval_loss"], rtol=1e-5)
-    resume = ("--resume", str(checkpoints / "step_00000002.pt"))
+    resume = ("--resume", str(checkpoints / "step_00000002.dcp"))
     resumed, _ = _run(tmp_path / "resumed", *PIPELINE, *resume)
     assert resumed["losses"] == piped["losses"]
 
@@ -83,15 +82,22 @@ def test_autocast_reaches_every_stages_weights(tmp_path):
 def test_a_non_finite_step_is_skipped_on_every_stage(tmp_path, one_white_image):
     """--nan_policy skip through the pipeline: the loss of the batch with the white image is
     NaN on the last stage only; every stage leaves its weights and AdamW state as they were."""
-    cfg = _nan_config(tmp_path, "eager", one_white_image, nan_policy="skip")
-    cfg.model = ModelConfig(nan_model.PIPELINE_NAME)
-    cfg.nproc_per_node, cfg.pp, cfg.pp_microbatches = 2, 2, 2
+    cfg = _nan_config(
+        tmp_path,
+        "eager",
+        one_white_image,
+        nan_policy="skip",
+        name=nan_model.PIPELINE_NAME,
+        nproc_per_node=2,
+        pp=2,
+        pp_microbatches=2,
+    )
     mp.start_processes(_nan_rank, args=(cfg, 29581), nprocs=2, start_method="spawn")
     summary = read_summary(tmp_path)
     steps = summary["nonfinite_steps"]
     assert len(steps) == 2 and summary["steps"] == 8
     checkpoints = cfg.run_dir() / "checkpoints"
-    states = {s: _state(checkpoints / f"step_{s:08d}.pt") for s in range(1, 9)}
+    states = {s: checkpoint_tensors(checkpoints / f"step_{s:08d}.dcp") for s in range(1, 9)}
     for step in (s for s in steps if s > 1):
         assert _same(states[step], states[step - 1]), step
     applied = next(s for s in range(2, 9) if s not in steps)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from accel.checkpoint import load_checkpoint
+from accel.checkpoint import read_meta
 from tests.helpers import read_summary, run_cli, start_cli
 
 JOB = (
@@ -142,7 +142,7 @@ def test_two_ranks_resume_their_own_random_streams(tmp_path):
     first = run_cli(*job, "--run_name", "a", "--keep_checkpoints", "0", "--output", str(tmp_path))
     assert first.returncode == 0, first.stderr[-2000:]
     run_a = tmp_path / "vit_micro" / "eager" / "a"
-    ranks = load_checkpoint(run_a / "checkpoints" / "step_00000003.pt")["rng"]
+    ranks = read_meta(run_a / "checkpoints" / "step_00000003.pt")["rng"]
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
     resume_from = str(run_a / "checkpoints" / "step_00000003.pt")
     again = run_cli(*job, "--run_name", "b", "--resume", resume_from, "--output", str(tmp_path))

@@ -12,9 +12,10 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accel.parallel import fsdp, tp_head
-from accel.parallel.layout import MeshLayout
-from tests.helpers import train_cli
+from accel.backends.torch_core import local_bytes
+from accel.parallel import tp_head
+from accel.parallel.mesh import MeshLayout
+from tests.helpers import checkpoint_tensors, train_cli
 
 pytestmark = pytest.mark.slow
 
@@ -64,17 +65,18 @@ def test_dp2_by_tp2_trains_the_ddp_losses(runs):
     np.testing.assert_allclose(mesh["eval_loss"], ddp["eval_loss"], rtol=1e-5)
 
 
-def test_tp_checkpoint_is_the_ordinary_format_and_resumes_exactly(runs, tmp_path):
+def test_tp_checkpoint_holds_the_whole_classifier_and_resumes_exactly(runs, tmp_path):
     output, split, _ = runs["tp2"]
     checkpoints = output / "vit_micro" / "eager" / "r" / "checkpoints"
-    saved = torch.load(checkpoints / "step_00000006.pt", weights_only=False)
-    assert saved["backend"]["model"]["model.head.weight"].shape == (11, 64)
-    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.pt"))
+    saved = checkpoint_tensors(checkpoints / "step_00000006.dcp")
+    assert saved["model.model.head.weight"].shape == (11, 64)  # the padding row left out
+    assert saved["optim.model.head.weight.exp_avg"].shape == (11, 64)
+    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.dcp"))
     np.testing.assert_allclose(plain["eval_loss"], split["eval_loss"], rtol=1e-5)
     resumed, _ = _run(
         tmp_path / "resumed",
         *("--nproc_per_node", "2", "--tp_head", "2"),
-        *("--resume", str(checkpoints / "step_00000002.pt")),
+        *("--resume", str(checkpoints / "step_00000002.dcp")),
     )
     assert resumed["losses"] == split["losses"]
 
@@ -117,8 +119,8 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
         classes, features, batch = 1_000_000, 192, 4
         model = Classifier(features, classes)
         layout = MeshLayout.build("tp", 2, "cpu")
-        full_bytes = fsdp.local_bytes(list(model.head.parameters()))
-        head = tp_head.shard_classifier(model, layout)
+        full_bytes = local_bytes(list(model.head.parameters()))
+        head = tp_head.apply_tp_head(model, layout)
         targets = torch.full((batch, classes), 0.1 / classes)
         targets[torch.arange(batch), torch.arange(batch)] += 0.9
         x = torch.randn(batch, features)
@@ -127,7 +129,7 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
             loss.backward()
         record = {
             "largest": seen.largest,
-            "head_bytes": fsdp.local_bytes(list(head.parameters())),
+            "head_bytes": local_bytes(list(head.parameters())),
             "full_bytes": full_bytes,
             "loss": loss.item(),
         }

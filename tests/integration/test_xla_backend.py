@@ -8,8 +8,7 @@ from accel.backends.base import BackendUnavailable, RecompileError
 from accel.backends.xla import XlaBackend, check_versions, compile_count
 from accel.distributed import DistContext
 from accel.train import Trainer
-from data.collate import MixupConfig
-from models.factory import create_model
+from data.config import MixupConfig
 from tests.helpers import micro_config, run_cli, run_cli_without
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
@@ -67,13 +66,13 @@ def test_first_five_losses_equal_eager_at_o0(xla_run, tmp_path):
 def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
     cfg = micro_config(tmp_path, backend="xla", amp_level="O1")
     backend = XlaBackend(cfg, DistContext())
-    backend.setup(create_model(cfg.model))
+    backend.setup(cfg.model)
     seen = []
     linear = next(m for m in backend.module.modules() if isinstance(m, torch.nn.Linear))
     linear.register_forward_hook(lambda m, i, out: seen.append((out.dtype, out.device.type)))
     images = torch.randint(0, 256, (2, 3, 32, 32), dtype=torch.uint8).to(backend.device)
     with backend.autocast():
-        backend.model(images)
+        backend.module(images)
     assert seen[0] == (torch.bfloat16, "xla")
     assert {p.dtype for p in backend.module.parameters()} == {torch.float32}
 
@@ -81,7 +80,7 @@ def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
 def test_changing_batch_shape_stops_with_the_cause(tmp_path):
     cfg = micro_config(tmp_path, backend="xla", max_recompiles=0)
     backend = XlaBackend(cfg, DistContext())
-    backend.setup(create_model(cfg.model))
+    backend.setup(cfg.model)
 
     def batch(n):
         images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8)

@@ -1,7 +1,7 @@
 import torch
 
-from data.collate import MixupConfig
-from data.loaders import DataConfig, build_eval_loader, build_train_loader
+from data.config import DataConfig, MixupConfig
+from data.loaders import build_eval_loader, build_train_loader
 from data.sampling import PaddedEvalBatchSampler, ShardedBatchSampler
 from data.synthetic import SyntheticImages
 
@@ -15,7 +15,7 @@ def test_synthetic_is_deterministic_per_index():
 
 def _loader(mixup: MixupConfig, workers: int = 0, batch_size: int = 8, **kw):
     cfg = DataConfig(workers=workers, mixup=mixup, synthetic_length=64, **kw)
-    return build_train_loader(cfg, 32, batch_size, rank=0, world_size=1, seed=0)
+    return build_train_loader(cfg, 32, batch_size, (0, 1), seed=0, num_classes=10)
 
 
 def test_mixup_targets_are_soft_and_batch_stays_uint8():
@@ -75,7 +75,9 @@ def test_training_batches_drop_the_tail_and_resume_mid_epoch():
 
 def test_eval_batches_are_padded_and_masked():
     cfg = DataConfig(workers=0, synthetic_length=84)  # eval split has 21 samples
-    loaders = [build_eval_loader(cfg, 32, 4, rank, 2, seed=0) for rank in range(2)]
+    loaders = [
+        build_eval_loader(cfg, 32, 4, (rank, 2), seed=0, num_classes=10) for rank in range(2)
+    ]
     counts = [sum(int(b["mask"].sum()) for b in loader) for loader in loaders]
     shapes = {tuple(b["images"].shape) for loader in loaders for b in loader}
     assert sum(counts) == 21

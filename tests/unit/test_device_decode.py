@@ -7,12 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from accel.config import ConfigError
-from accel.launch_single_task import resolve_decode_on
-from data.collate import MixupConfig, TrainCollate
+from accel.config import ConfigError, replace_path
+from accel.resolve import resolve_decode_on
+from data.collate import TrainCollate
+from data.config import DataConfig, MixupConfig
 from data.device_decode import DeviceDecodedLoader, device_decoding_error
 from data.folder import BadImageError
-from data.loaders import DataConfig, build_train_loader
+from data.loaders import build_train_loader
 from data.sampling import SampleKey
 from tests.helpers import micro_config
 from tests.unit.test_folder import dirty_mock_imagenet
@@ -27,7 +28,7 @@ def dirty_imagenet(tmp_path_factory) -> Path:
 
 def _epoch(root: Path, decode_on: str, workers: int = 0, start_batch: int = 0, **data) -> list:
     cfg = DataConfig(source=str(root), workers=workers, decode_on=decode_on, **data)
-    loader = build_train_loader(cfg, 32, 4, rank=0, world_size=1, seed=3)
+    loader = build_train_loader(cfg, 32, 4, (0, 1), seed=3, num_classes=3)
     loader.batch_sampler.set_epoch(1, start_batch)
     return list(loader)
 
@@ -79,7 +80,7 @@ def test_mix_plan_mixes_like_timms_fast_collate_mixup():
 
 def test_strict_data_stops_at_a_file_only_the_device_decoder_finds_broken(dirty_imagenet):
     cfg = DataConfig(source=str(dirty_imagenet), workers=0, decode_on="cpu", strict=True)
-    loader = build_train_loader(cfg, 32, 4, rank=0, world_size=1, seed=3)
+    loader = build_train_loader(cfg, 32, 4, (0, 1), seed=3, num_classes=3)
     assert isinstance(loader, DeviceDecodedLoader)
     loader.batch_sampler.set_epoch(1)
     with pytest.raises(BadImageError, match=r"(truncated|empty)\.jpg|notes\.png"):
@@ -91,11 +92,10 @@ def test_no_gpu_decoder_is_found_on_a_cpu_build_and_the_run_falls_back(monkeypat
     if not torch.cuda.is_available():
         assert device_decoding_error(torch.device("cuda"))  # one line: why not
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # as if a GPU were seen
-        cfg = micro_config(tmp_path, source=str(tmp_path))
-        cfg.data.decode_on = "auto"
-        note = resolve_decode_on(cfg)
+        cfg = micro_config(tmp_path, source=str(tmp_path), data_device="auto")
+        decode_on, note = resolve_decode_on(cfg)
         assert "no GPU JPEG decoder" in note and "CPU workers" in note
-        assert cfg.data.decode_on == "workers"
+        assert decode_on == "workers"
 
 
 @pytest.mark.parametrize(
@@ -106,9 +106,8 @@ def test_no_gpu_decoder_is_found_on_a_cpu_build_and_the_run_falls_back(monkeypat
     ],
 )
 def test_data_device_gpu_where_it_cannot_work_is_refused(tmp_path, source, backend, reason):
-    cfg = micro_config(tmp_path, backend=backend, source=source)
-    cfg.data.decode_on = "cuda"
+    cfg = micro_config(tmp_path, backend=backend, source=source, data_device="gpu")
     with pytest.raises(ConfigError, match=f"--data_device gpu: .*{reason}"):
         resolve_decode_on(cfg)
-    cfg.data.decode_on = "auto"
-    assert resolve_decode_on(cfg) is None and cfg.data.decode_on == "workers"
+    cfg = replace_path(cfg, "data.data_device", "auto")
+    assert resolve_decode_on(cfg) == ("workers", None)

@@ -6,7 +6,6 @@ from torch.overrides import TorchFunctionMode
 
 from accel.backends.eager import EagerBackend
 from accel.distributed import DistContext
-from models.factory import create_model
 from tests.helpers import micro_config
 
 HOST_READS = {"__bool__", "item", "tolist", "cpu", "numpy", "__float__", "__int__"}
@@ -29,7 +28,7 @@ class HostReads(TorchFunctionMode):
 def test_the_eager_step_reads_nothing_back_to_the_host(tmp_path, level):
     cfg = micro_config(tmp_path, amp_level=level)
     backend = EagerBackend(cfg, DistContext())
-    backend.setup(create_model(cfg.model))
+    backend.setup(cfg.model)
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
     (batch,) = backend.device_batches([(images, torch.softmax(torch.randn(8, 10), -1))])
     with HostReads() as reads:

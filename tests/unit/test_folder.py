@@ -5,8 +5,9 @@ import pytest
 import torch
 from PIL import Image
 
+from data.config import DataConfig
 from data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
-from data.loaders import DataConfig, build_train_loader
+from data.loaders import build_train_loader
 from data.prepare import prepare_mock_imagenet
 
 
@@ -82,7 +83,7 @@ def test_strict_data_stops_at_the_first_bad_file_with_its_path(mock_imagenet):
 
 def test_training_loader_decodes_jpegs_with_augmentation(mock_imagenet):
     cfg = DataConfig(source=str(mock_imagenet), workers=0)
-    loader = build_train_loader(cfg, 32, 4, rank=0, world_size=1, seed=0)
+    loader = build_train_loader(cfg, 32, 4, (0, 1), seed=0, num_classes=3)
     loader.batch_sampler.set_epoch(0)
     batch = next(iter(loader))
     assert batch["images"].shape == (4, 3, 32, 32) and batch["targets"].shape == (4, 3)

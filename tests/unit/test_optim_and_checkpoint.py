@@ -4,7 +4,13 @@ import os
 import pytest
 import torch
 
-from accel.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from accel.checkpoint import (
+    checkpoint_dir,
+    latest_checkpoint,
+    list_checkpoints,
+    prune,
+    write_file,
+)
 from accel.config import OptimConfig
 from accel.optim import LRSchedule, decay_mask
 from models.factory import ModelConfig, create_model
@@ -27,9 +33,14 @@ def test_no_weight_decay_on_norms_and_biases():
     assert mask["model.blocks.0.norm1.weight"] is False
 
 
+def _save(run_dir, step: int, keep: int = 2) -> None:
+    write_file(checkpoint_dir(run_dir) / f"step_{step:08d}.pt", {"w": torch.ones(3) * step})
+    prune(run_dir, keep)
+
+
 def test_checkpoints_are_atomic_and_only_the_last_k_kept(tmp_path, monkeypatch):
     for step in (1, 2, 3, 4):
-        save_checkpoint(tmp_path, step, {"step": step, "w": torch.ones(3) * step}, keep=2)
+        _save(tmp_path, step)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_00000003.pt", "step_00000004.pt"]
 
     def crash(*args, **kwargs):
@@ -37,5 +48,7 @@ def test_checkpoints_are_atomic_and_only_the_last_k_kept(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", crash)  # the crash lands after the data, before the rename
     with pytest.raises(OSError):
-        save_checkpoint(tmp_path, 5, {"step": 5}, keep=2)
-    assert load_checkpoint(latest_checkpoint(tmp_path))["step"] == 4
+        _save(tmp_path, 5)
+    latest = latest_checkpoint(tmp_path)
+    assert torch.load(latest, weights_only=True)["w"][0] == 4
+    assert not list(checkpoint_dir(tmp_path).glob(".*.tmp"))  # the writer removed its own

@@ -1,0 +1,214 @@
+"""The optimizer step every torch-module backend shares (eager, compile, xla): AMP (autocast, fp32
+master weights, fp16 loss scaling), AdamW guarded against non-finite steps, clipping to a norm the
+caller computes (it knows how the gradients are split), and the state by parameter name.
+
+What differs between backends comes in as functions: how the update is guarded (fused AdamW's
+`found_inf` here, a `torch.where` in the xla graph) and how the gradient norm is taken.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.amp import AmpPolicy
+from accel.optim import weight_decay_groups
+
+# (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
+Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
+View = Callable[[dict[str, Any]], dict[str, Any]]  # a layout's view of the named state
+GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]  # the norm of these tensors' gradients
+
+
+def fused_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
+    """Fused AdamW leaves weights, moments and step count as they were where `found_inf` is 1,
+    on the device. fp16 loss scaling keeps torch's scaler, which decides on the host."""
+    if not scaler.is_enabled():
+        optimizer.found_inf = (~finite).float()
+        optimizer.step()
+        return
+    if bool(finite):
+        scaler.step(optimizer)
+    scaler.update()  # also after a skipped step: it ends what unscale_ began
+
+
+def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The norm of the gradients this rank holds."""
+    return torch.nn.utils.get_total_norm(grads)
+
+
+def init_optimizer_state(optimizer: torch.optim.Optimizer, guard: Guard) -> None:
+    """Create the optimizer's state (moments, step counts) before loading a checkpoint into it,
+    as its own first step would: one step through `guard` on zero gradients (as
+    torch.distributed.checkpoint's state-dict helpers do), then the weights put back and every
+    state tensor zeroed (the load overwrites them, step counts included)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if all(optimizer.state.get(p) for p in params):
+        return
+    kept = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    no_scaler = torch.amp.GradScaler("cpu", enabled=False)
+    guard(optimizer, no_scaler, torch.ones((), dtype=torch.bool, device=params[0].device))
+    optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        for p, value in zip(params, kept, strict=True):
+            p.copy_(value)
+        for state in optimizer.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    value.zero_()
+
+
+class TorchCore:
+    def __init__(self, amp: AmpPolicy, device: torch.device, masters: bool, guard: Guard):
+        self.amp, self.device, self.guard = amp, device, guard
+        # O2 keeps fp32 master weights beside the low-precision model (unless a sharded layout's
+        # fp32 shards are the masters already).
+        self.separate_masters = masters
+        self.scaler = torch.amp.GradScaler(
+            "cuda", enabled=amp.loss_scaling and device.type == "cuda"
+        )
+        self.master: dict[nn.Parameter, torch.Tensor] = {}
+        self.measured: dict[str, int] = {}  # state_bytes, once the first step made the state
+
+    def attach(
+        self,
+        modules: list[nn.Module],
+        weight_decay: float,
+        adamw: Callable[[list[dict]], torch.optim.Optimizer],
+        classifier: list[nn.Parameter] = (),
+    ) -> None:
+        """Build the optimizer over the trainable parameters of `modules` (timm's weight-decay
+        split; a checkpoint names the state by parameter, so group order does not matter).
+        `classifier`: its parameters, whose share of the state is reported apart."""
+        self.modules = modules
+        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
+        groups = weight_decay_groups(nn.ModuleList(modules), weight_decay)
+        if self.separate_masters:
+            self.master = {p: p.detach().float().clone().requires_grad_() for p in self.params}
+            groups = [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups]
+        self.optimizer = adamw(groups)
+        self.classifier = [self.updated(p) for p in classifier]
+
+    @property
+    def optimizer_params(self) -> list[torch.Tensor]:
+        """What the optimizer updates: the parameters, or their fp32 masters (O2)."""
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def updated(self, param: nn.Parameter) -> torch.Tensor:
+        return self.master.get(param, param)
+
+    def autocast(self, device_type: str | None = None, cache: bool = True):
+        if not self.amp.autocast:
+            return contextlib.nullcontext()
+        kind = device_type or self.device.type
+        return torch.autocast(kind, dtype=self.amp.dtype, cache_enabled=cache)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        self.scaler.scale(loss).backward()
+
+    def update(self, lr: float, loss: torch.Tensor, clip: float, norm_of: GradNorm) -> torch.Tensor:
+        """Clip and step, unless the loss or the gradients are not finite; returns whether the
+        update was applied (a device bool: every rank computes the same one)."""
+        for p, m in self.master.items():
+            m.grad = None if p.grad is None else p.grad.float()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.scaler.unscale_(self.optimizer)
+        params = self.optimizer_params
+        norm = norm_of(params)
+        if clip > 0:
+            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+        finite = torch.isfinite(loss)
+        if not self.scaler.is_enabled():  # the loss scaler skips steps with inf gradients itself
+            finite &= torch.isfinite(norm)
+        self.guard(self.optimizer, self.scaler, finite)
+        if not self.measured:
+            self.measured = self.state_bytes()
+        with torch.no_grad():
+            for p, m in self.master.items():
+                p.copy_(m)
+        self.optimizer.zero_grad(set_to_none=True)
+        for module in self.modules:
+            module.zero_grad(set_to_none=True)
+        return finite
+
+    # --- state by name --------------------------------------------------------------------------
+    def named_state(self) -> dict[str, Any]:
+        """The live tensors: {'model': weights and persistent buffers (the fp32 masters where
+        there are any), 'optim': {name: AdamW state}}, and the fp16 loss scaler's state. The
+        optimizer's state is made first where no step has made it yet (a checkpoint loads
+        into it)."""
+        init_optimizer_state(self.optimizer, self.guard)
+        model, optim = {}, {}
+        for module in self.modules:
+            params = {n: p for n, p in module.named_parameters()}
+            for name, value in module.state_dict(keep_vars=True).items():
+                param = params.get(name)
+                model[name] = self.updated(param) if param is not None else value
+                state = self.optimizer.state.get(self.updated(param)) if param is not None else None
+                if state:
+                    optim[name] = {k: v for k, v in state.items() if torch.is_tensor(v)}
+        out = {"model": model, "optim": optim}
+        if self.scaler.is_enabled():  # fp16 loss scaling: its scale and growth count
+            out["scaler"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()}
+        return out
+
+    def load_named_state(self, state: dict[str, Any], view: View = lambda s: s) -> None:
+        """Copy `state` (named_state's structure, as `view` shows it) into the live tensors,
+        where it holds other tensors than those (a checkpoint loaded in place needs no copy)."""
+        live = view(self.named_state())
+        with torch.no_grad():
+            for name, target in live["model"].items():
+                _copy(target, state["model"][name])
+            for name, moments in live["optim"].items():
+                for key, target in moments.items():
+                    _copy(target, state["optim"][name][key])
+            for p, m in self.master.items():
+                p.copy_(m)
+        if self.scaler.is_enabled() and "scaler" in state:
+            self.scaler.load_state_dict({k: v.item() for k, v in state["scaler"].items()})
+
+    def state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds of weights, gradients and optimizer state (its shards where
+        split), read off the tensors while the gradients exist."""
+        held = self.params + list(self.master.values())
+        moments = [v for s in self.optimizer.state.values() for v in s.values() if v.dim()]
+        measured = {
+            "params": local_bytes(held),
+            "grads": local_bytes([t.grad for t in held if t.grad is not None]),
+            "optimizer": local_bytes(moments),
+        }
+        head = self.classifier
+        if head:  # the classifier's share: weights, gradients, AdamW moments
+            head_moments = [v for q in head for v in self.optimizer.state[q].values()]
+            grads = [q.grad for q in head if q.grad is not None]
+            measured["classifier"] = local_bytes(head + grads + head_moments)
+        return measured
+
+
+def _storage(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
+    """target <- value, unless value is target's own memory (loaded in place)."""
+    mine, theirs = _storage(target), _storage(value)
+    if mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape:
+        return
+    target.copy_(value.to(target.dtype))
+
+
+def local_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes this rank holds of `tensors` (its shards of DTensors)."""
+    total = 0
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        if local.dim():
+            total += local.numel() * local.element_size()
+    return total

@@ -1,0 +1,305 @@
+"""How the torch backends (eager, compile) lay one model out over their ranks: replicas (one
+process, or DDP), FSDP2 shards, a classifier split by class, a pipeline. A layout builds the part
+of the model this rank keeps and says how the step's values are reduced across ranks; the model
+transforms themselves are accel/parallel's functions.
+
+A split layout builds the model on the meta device, transforms it, allocates only this rank's
+part and takes its values from the whole model rank 0 initialises (accel/parallel/materialize.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from accel.amp import AmpPolicy
+from accel.backends.torch_core import TorchCore, local_norm
+from accel.config import RunConfig
+from accel.distributed import DistContext
+from accel.losses import eval_sums, soft_target_loss
+from accel.parallel import fsdp, pipeline, tp_head
+from accel.parallel.materialize import allocate, fill_from_rank0, named_tensors
+from accel.parallel.mesh import MeshLayout
+from models.factory import ImageClassifier, ModelConfig, create_model
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+ForwardLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def all_reduce(value: torch.Tensor, group=None, mean: bool = False) -> torch.Tensor:
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(value, group=group)
+        if mean:
+            value /= dist.get_world_size(group)
+    return value
+
+
+class Replicas:
+    """The whole model on every rank: one process, or DDP over the data-parallel ranks."""
+
+    sharded_checkpoint = False
+    masters_separate = True  # O2: fp32 masters beside a low-precision model
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
+        self.cfg, self.ctx, self.device, self.amp = cfg, ctx, device, amp
+        self.data_parallel = (ctx.rank, ctx.world_size)
+        self.dp_group = None  # the ranks that split the data (None: all)
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return self.amp.param_dtype
+
+    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
+        """The modules this rank trains, allocated on the device with their initial values."""
+        model = create_model(model_cfg, seed=self.cfg.seed)
+        if self.cfg.remat:
+            model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
+        self.module = model.to(self.device, dtype=self.param_dtype)
+        self.forward = self.wrap(self.module)
+        return [self.module]
+
+    def wrap(self, module: nn.Module) -> nn.Module:
+        if self.data_parallel[1] < 2:
+            return module
+        ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=ids, process_group=self.dp_group)
+
+    def sync(self, last: bool):
+        """No DDP all-reduce on the micro-steps before the last of an accumulation."""
+        if self.data_parallel[1] > 1 and not last:
+            return self.forward.no_sync()
+        return contextlib.nullcontext()
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return soft_target_loss(logits, targets)
+
+    def forward_backward(
+        self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
+    ) -> torch.Tensor:
+        """Accumulate the gradients of the micro-batches; returns this rank's mean loss."""
+        total = torch.zeros((), device=self.device)
+        for i, (images, targets) in enumerate(micro_batches):
+            with self.sync(i == len(micro_batches) - 1), core.autocast():
+                loss = forward_loss(images, targets) / len(micro_batches)
+            core.backward(loss)
+            total += loss.detach()
+        return total
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return all_reduce(loss, mean=True)
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return local_norm([p.grad for p in params if p.grad is not None])
+
+    def eval_sums(self, images, labels, mask, core: TorchCore) -> torch.Tensor:
+        with core.autocast():
+            return eval_sums(self.module(images), labels, mask)
+
+    def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
+        return all_reduce(sums, group=self.dp_group)
+
+    def attached(self, core: TorchCore) -> None:
+        """Called once the optimizer exists."""
+
+    def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
+        return state
+
+    def classifier(self) -> list[nn.Parameter]:
+        return self.module.classifier_parameters()
+
+
+class SplitLayout(Replicas):
+    """A layout whose rank keeps part of the model: built on the meta device, only this rank's
+    part allocated, its values broadcast from rank 0's whole model."""
+
+    sharded_checkpoint = True
+
+    def materialize(self, model_cfg: ModelConfig, split: Callable[[ImageClassifier], list]) -> list:
+        """`split` transforms a model on the meta device into the modules this rank keeps."""
+        with torch.device("meta"):
+            reference = create_model(model_cfg).to(self.param_dtype)  # the whole model's shapes
+            modules = split(create_model(model_cfg).to(self.param_dtype))
+        allocate(modules, self.device)
+        parts = {n: t for m in modules for n, t in named_tensors(m)}
+        parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
+        build = lambda: create_model(model_cfg, self.cfg.seed)  # noqa: E731
+        fill_from_rank0(parts, reference, build, self.device)
+        return modules
+
+
+class Shards(SplitLayout):
+    """FSDP2: weights, gradients and AdamW state split over all ranks, one unit per block."""
+
+    masters_separate = False  # the fp32 shards are the masters; FSDP gathers them in bf16
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return torch.float32 if self.amp.master_weights else self.amp.param_dtype
+
+    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
+        def split(whole: ImageClassifier) -> list[nn.Module]:
+            if self.cfg.remat:
+                whole.model.set_grad_checkpointing(True)
+            fsdp.apply_fsdp(whole, self.cfg.parallel.shard, self.amp, self.device.type)
+            return [whole]
+
+        (self.module,) = self.materialize(model_cfg, split)
+        self.forward = self.module
+        return [self.module]
+
+    def sync(self, last: bool):
+        """No reduce-scatter before the last micro-step (read in the backward: set, not scoped)."""
+        self.module.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return fsdp.full_value(super().grad_norm(params))  # reduced over the shards
+
+
+class SplitHead(SplitLayout):
+    """The classifier's classes split over the ranks of a tp group (dp x tp mesh)."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
+        super().__init__(cfg, ctx, device, amp)
+        self.mesh = MeshLayout.build("tp", cfg.parallel.tp_head, device.type)
+        self.data_parallel = (self.mesh.dp_rank, self.mesh.dp)
+        self.dp_group = self.mesh.dp_group  # a tp group trains on the same batch
+
+    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
+        def split(whole: ImageClassifier) -> list[nn.Module]:
+            self.head = tp_head.apply_tp_head(whole.model, self.mesh)
+            mine = {id(p) for p in self.head.parameters()}
+            self.head_names = {n for n, p in whole.named_parameters() if id(p) in mine}
+            return [whole]
+
+        (self.module,) = self.materialize(model_cfg, split)
+        self.forward = self.wrap(self.module)
+        return [self.module]
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return tp_head.soft_target_loss(logits, targets, self.head)
+
+    def attached(self, core: TorchCore) -> None:
+        self.head_ids = {id(core.updated(p)) for p in self.head.parameters()}
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        return tp_head.grad_norm(params, self.head_ids, self.mesh.group)
+
+    def eval_sums(self, images, labels, mask, core: TorchCore) -> torch.Tensor:
+        with core.autocast():
+            return tp_head.eval_sums(self.module(images), labels, mask, self.head)
+
+    def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The head's rows (and their AdamW moments) as DTensors of the whole classifier."""
+        names = self.head_names
+        model = {n: self.head.whole_view(t) if n in names else t for n, t in state["model"].items()}
+        optim = {
+            n: {k: self.head.whole_view(v) if n in names and v.dim() else v for k, v in s.items()}
+            for n, s in state["optim"].items()
+        }
+        return {**state, "model": model, "optim": optim}
+
+    def classifier(self) -> list[nn.Parameter]:
+        return list(self.head.parameters())
+
+
+class Pipeline(SplitLayout):
+    """A ViT cut into --pp stages (dp x pp mesh), run by a torch.distributed.pipelining schedule;
+    each stage's gradients are averaged over its dp group by an explicit all-reduce."""
+
+    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
+        super().__init__(cfg, ctx, device, amp)
+        self.mesh = MeshLayout.build("pp", cfg.parallel.pp, device.type)
+        self.data_parallel = (self.mesh.dp_rank, self.mesh.dp)
+        self.dp_group = self.mesh.dp_group
+
+    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
+        par = self.cfg.parallel
+
+        def split(whole: ImageClassifier) -> list[nn.Module]:
+            self.plan = pipeline.cut_vit(whole, self.mesh, par.pp_schedule)
+            return self.plan.stages
+
+        stages = self.materialize(model_cfg, split)
+        scale = par.pp_microbatches * self.cfg.optim.grad_accum
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # Summed over micro-batches and micro-steps, these make the batch's mean loss (the
+            # schedule's own scaling would also rescale earlier micro-steps' gradients).
+            return soft_target_loss(logits, targets) / scale
+
+        self.schedule = pipeline.schedule_stages(
+            self.plan, self.mesh, self.device, par.pp_schedule, par.pp_microbatches, loss_fn
+        )
+        self.module = nn.ModuleList(stages)
+        return stages
+
+    def forward_backward(
+        self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
+    ) -> torch.Tensor:
+        """The schedule runs forward and backward; only the last stage sees the loss. Autocast
+        without its weight-cast cache: the schedule's first step runs each stage under no_grad
+        to infer shapes, and weight copies cached then would serve the training forwards."""
+        total = torch.zeros((), device=self.device)
+        first, last = 0 in self.plan.ids, self.plan.count - 1 in self.plan.ids
+        for images, targets in micro_batches:
+            losses: list[torch.Tensor] = []
+            args = (images,) if first else ()
+            with core.autocast(cache=False):
+                if last:
+                    self.schedule.step(*args, target=targets, losses=losses)
+                else:
+                    self.schedule.step(*args)
+            if losses:
+                total += torch.stack(losses).sum().detach()
+        self.reduce_gradients(core)
+        return total
+
+    def reduce_gradients(self, core: TorchCore) -> None:
+        """Average each stage's gradients over its dp group (the replicas of that stage)."""
+        if self.mesh.dp < 2:
+            return
+        grads = [p.grad for p in core.params if p.grad is not None]
+        for work in [dist.all_reduce(g, group=self.mesh.dp_group, async_op=True) for g in grads]:
+            work.wait()
+        torch._foreach_div_(grads, self.mesh.dp)
+
+    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        all_reduce(loss, group=self.mesh.group)  # only the last stage holds the loss
+        return all_reduce(loss, group=self.mesh.dp_group, mean=True)
+
+    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The norm over every stage's gradients (each stage holds its own parameters)."""
+        square = local_norm([p.grad for p in params if p.grad is not None]) ** 2
+        return all_reduce(square, group=self.mesh.group).sqrt()
+
+    def eval_sums(self, images, labels, mask, core: TorchCore) -> torch.Tensor:
+        with core.autocast(cache=False):
+            logits = pipeline.forward_only(self.plan, self.mesh, images, self.param_dtype)
+        if logits is None:
+            return torch.zeros(4, device=self.device)
+        return eval_sums(logits, labels, mask)
+
+    def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
+        all_reduce(sums, group=self.mesh.group)  # only the last stage holds the sums
+        return all_reduce(sums, group=self.mesh.dp_group)
+
+    def classifier(self) -> list[nn.Parameter]:
+        return []
+
+
+def make_layout(cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy, shard: str):
+    par = cfg.parallel
+    if par.pp > 1:
+        return Pipeline(cfg, ctx, device, amp)
+    if par.tp_head > 1:
+        return SplitHead(cfg, ctx, device, amp)
+    if shard != "none":
+        return Shards(cfg, ctx, device, amp)
+    return Replicas(cfg, ctx, device, amp)

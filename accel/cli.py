@@ -1,0 +1,102 @@
+"""launch_single_task's command line, generated from the config dataclasses: an option added to a
+dataclass is a flag here, a key of config.json and a value the resume check sees."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from typing import Any
+
+from accel.config import RunConfig, flag_of, from_dict, leaf_fields
+
+# Help sections, in order: a nested config's fields go under its title, a top-level field under
+# the `group` its metadata names.
+SECTIONS = {
+    "Run": "Run",
+    "model": "Model",
+    "data": "Data",
+    "data.mixup": "Mixup and CutMix (on the host, at collate time)",
+    "optim": "Optimizer and schedule",
+    "Precision and kernels": "Precision and kernels",
+    "parallel": "Parallelism",
+    "compiler": "XLA compiler backends (xla, jax)",
+    "Output, checkpoints and logging": "Output, checkpoints and logging",
+}
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line and exit code 2 (no usage block)."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _section(path: str, f: dataclasses.Field) -> str:
+    if "." not in path:
+        return f.metadata.get("group", "Run")
+    return path.rsplit(".", 1)[0]
+
+
+def _base_type(kind: Any) -> Any:
+    """int for `int | None`, and so on."""
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        return next(a for a in typing.get_args(kind) if a is not type(None))
+    return kind
+
+
+def _add_option(group: Any, path: str, f: dataclasses.Field, kind: Any) -> None:
+    meta, default = f.metadata, f.default
+    kwargs: dict[str, Any] = {"dest": path, "default": argparse.SUPPRESS}
+    base = _base_type(kind)
+    if base is bool:
+        kwargs["action"] = "store_false" if default else "store_true"
+    elif typing.get_origin(base) is tuple:
+        kwargs.update(type=typing.get_args(base)[0], nargs=len(typing.get_args(base)))
+    else:
+        kwargs["type"] = base
+    if meta.get("choices"):
+        kwargs["choices"] = meta["choices"]
+    shown = "" if base is bool or default in (None, "") else f" (default: {_shown(default)})"
+    kwargs["help"] = meta["help"] + shown
+    group.add_argument(flag_of(path, f), **kwargs)
+
+
+def _shown(value: Any) -> str:
+    return " ".join(map(str, value)) if isinstance(value, tuple) else str(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(
+        prog="launch_single_task",
+        description="Train one timm Swin/ViT job on the chosen backend. USE_ACCEL=1 selects the "
+        "XLA compiler path when --backend is not given.",
+    )
+    parser.add_argument(
+        "--compare",
+        default="",
+        help="run the same job on each of these backends (e.g. eager,xla) and print a table",
+    )
+    parser.add_argument(
+        "--backends", action="store_true", help="print what each backend supports, and exit"
+    )
+    groups = {key: parser.add_argument_group(title) for key, title in SECTIONS.items()}
+    for path, f, kind in leaf_fields(RunConfig):
+        if f.metadata.get("cli", True):
+            _add_option(groups[_section(path, f)], path, f, kind)
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The options given on the command line over the dataclass defaults (unresolved)."""
+    nested: dict[str, Any] = {}
+    for dotted, value in vars(args).items():
+        if "." not in dotted and dotted in ("compare", "backends"):
+            continue
+        keys = dotted.split(".")
+        node = nested
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = value
+    return from_dict(RunConfig, nested)

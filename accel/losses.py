@@ -1,0 +1,44 @@
+"""The training loss and the evaluation sums, written once for every backend (jax runs these same
+torch functions through torchax; the split classifier builds on `masked_sums`)."""
+
+from __future__ import annotations
+
+import torch
+from timm.loss import SoftTargetCrossEntropy
+from torch import nn
+
+
+def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy against soft (mixed, smoothed) targets, in fp32."""
+    return SoftTargetCrossEntropy()(logits.float(), targets)
+
+
+def masked_sums(
+    loss: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor, correct5: torch.Tensor
+) -> torch.Tensor:
+    """[loss sum, top-1 correct, count, top-5 correct] over the rows `mask` keeps (the padding of
+    a fixed-shape evaluation batch is masked out)."""
+    mask = mask.float()
+    parts = (loss.float() * mask, correct.float() * mask, mask, correct5.float() * mask)
+    return torch.stack([p.sum() for p in parts])
+
+
+def eval_sums(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """masked_sums of one evaluation batch from its logits."""
+    logits = logits.float()
+    loss = nn.functional.cross_entropy(logits, labels, reduction="none")
+    top = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
+    hits = top == labels[:, None]
+    return masked_sums(loss, hits[:, 0], mask, hits.any(-1))
+
+
+def summarise(sums: list[float]) -> dict[str, float]:
+    """eval_loss, eval_acc, eval_acc5 and eval_images from summed masked_sums."""
+    loss_sum, correct, count, correct5 = sums
+    count = max(count, 1.0)
+    return {
+        "eval_loss": loss_sum / count,
+        "eval_acc": correct / count,
+        "eval_acc5": correct5 / count,
+        "eval_images": int(count),
+    }

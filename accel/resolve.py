@@ -1,0 +1,200 @@
+"""From the command line's config to the one a run trains with: every option checked (ranges,
+combinations, what the backend supports, the data and the model), then what was left open settled
+once (backend, class count, run length, decode device, run name). Nothing here creates a file."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from accel.backends import check_supported
+from accel.backends.base import BackendModule
+from accel.checkpoint import latest_checkpoint, read_meta, resume_mismatches, saved_config
+from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, validate
+from accel.parallel.mesh import describe_mesh
+from accel.parallel.pipeline import is_vit, stages_per_rank
+from accel.runs import check_free, latest_resumable, new_run_name
+from data.folder import count_images
+from data.loaders import folder_num_classes
+from models.factory import check_input_size, check_model_name, create_model
+
+USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
+
+
+def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, str]:
+    """(backend, why) from --backend and USE_ACCEL."""
+    raw = env.get("USE_ACCEL", "")
+    if raw.strip().lower() not in USE_ACCEL_VALUES:
+        raise ConfigError(f"USE_ACCEL must be 0, 1, true or false, got '{raw}'")
+    if requested:
+        return requested, "--backend"
+    if USE_ACCEL_VALUES[raw.strip().lower()]:
+        import torch
+
+        if torch.cuda.is_available():
+            return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
+        return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
+    return "eager", "default, USE_ACCEL unset"
+
+
+def data_replicas(cfg: RunConfig) -> int:
+    """Replicas the data is split over: processes or devices, over the model-parallel size."""
+    par = cfg.parallel
+    return par.nproc_per_node // max(par.tp_head, par.pp)
+
+
+def check_data(cfg: RunConfig) -> int:
+    """The class count, once the data is known to hold at least one global batch."""
+    found = folder_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
+    given = cfg.model.num_classes
+    if found is not None and given is not None and given != found:
+        raise ConfigError(f"--num_classes {given} disagrees with the {found} class folders")
+    classes = found if found is not None else given or 10
+    if classes < 2:
+        raise ConfigError(f"{cfg.data.source} has {classes} class folder: training needs 2 or more")
+    length = cfg.data.synthetic_length if found is None else count_images(cfg.data.source)
+    needed = cfg.batch_size * data_replicas(cfg)
+    if length < needed:
+        raise ConfigError(
+            f"the training set holds {length} images, fewer than one global batch ({needed})"
+        )
+    return classes
+
+
+def check_model(cfg: RunConfig) -> None:
+    check_model_name(cfg.model.name)
+    check_input_size(cfg.model)
+    par = cfg.parallel
+    if par.pp < 2:
+        return
+    import torch
+
+    with torch.device("meta"):
+        vit = create_model(cfg.model).model
+    if not is_vit(vit):
+        raise ConfigError(f"--pp cuts ViT-style models by blocks; {cfg.model.name} is not one")
+    stages = par.pp * stages_per_rank(par.pp_schedule)
+    if stages > len(vit.blocks):
+        raise ConfigError(
+            f"--pp {par.pp} ({par.pp_schedule}) needs {stages} stages, "
+            f"{cfg.model.name} has {len(vit.blocks)} blocks"
+        )
+
+
+def mesh_notes(cfg: RunConfig) -> list[str]:
+    """The model-parallel mesh, and the padding of a split classifier."""
+    par = cfg.parallel
+    line = describe_mesh(par.nproc_per_node, par.tp_head, par.pp)
+    if line is None:
+        return []
+    if par.pp > 1:
+        return [f"{line}, {par.pp_schedule} schedule, {par.pp_microbatches} micro-batches"]
+    classes, size = cfg.model.num_classes, par.tp_head
+    padded = -(-classes // size) * size
+    if padded == classes:
+        return [line]
+    return [
+        line,
+        f"{classes} classes over tp {size}: the classifier is padded to {padded} rows, "
+        f"the {padded - classes} padded classes masked out of the softmax",
+    ]
+
+
+def check_gpu_count(cfg: RunConfig, replicas: str) -> None:
+    """One process a GPU: no more processes than visible GPUs."""
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    procs = cfg.parallel.nproc_per_node
+    if replicas == "processes" and gpus and procs > gpus:
+        raise ConfigError(f"--nproc_per_node {procs} exceeds the {gpus} visible GPUs")
+
+
+def resolve_decode_on(cfg: RunConfig) -> tuple[str, str | None]:
+    """Where JPEGs are decoded (--data_device), and a line to print where it falls back: on the
+    GPU by default when training from a folder on one, where a GPU decoder works."""
+    data = cfg.data
+    if data.data_device == "cpu":
+        return "workers", None
+    import torch
+
+    if data.is_synthetic:
+        reason = "--data synthetic has no JPEGs to decode"
+    elif cfg.backend == "xla":
+        reason = "the xla backend does not train on a CUDA GPU"
+    elif not torch.cuda.is_available():
+        reason = "no CUDA GPU is visible to torch"
+    else:
+        reason = None
+    if reason and data.data_device == "gpu":
+        raise ConfigError(f"--data_device gpu: {reason}")
+    if reason:
+        return "workers", None
+    from data.device_decode import device_decoding_error
+
+    refused = device_decoding_error(torch.device("cuda"))
+    if refused:
+        return "workers", f"no GPU JPEG decoder ({refused}): JPEGs are decoded by the CPU workers"
+    return "cuda", None
+
+
+def resolve_run_name(cfg: RunConfig) -> str:
+    """The run folder: given, the latest resumable run of this model and backend (--resume
+    auto), or a new timestamp."""
+    if cfg.run_name:
+        return cfg.run_name
+    parent = Path(cfg.output) / cfg.model.name / str(cfg.backend)
+    latest = latest_resumable(parent) if cfg.resume == "auto" else None
+    return latest.name if latest else new_run_name()
+
+
+def check_resume(cfg: RunConfig) -> None:
+    """The checkpoint to resume exists, is ours, and fits this job (the world size aside: a
+    checkpoint loads at any, with a warning)."""
+    if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).exists():
+        raise ConfigError(f"--resume: checkpoint not found: {cfg.resume}")
+    path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(cfg.run_dir())
+    if not path:
+        return
+    meta = read_meta(Path(path))
+    problems = resume_mismatches(saved_config(meta), cfg, 0, 0)
+    if problems:
+        raise ConfigError(f"cannot resume from {path}: {'; '.join(problems)}")
+
+
+def check_output(cfg: RunConfig) -> None:
+    """The output folder can be made (no file in its way)."""
+    for parent in (Path(cfg.output), *Path(cfg.output).parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise ConfigError(f"--output {cfg.output}: {parent} is a file, not a folder")
+            return
+
+
+def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModule, list[str]]:
+    """The checked, settled config, its backend's module, and what to tell the user of it."""
+    validate(cfg)
+    backend, why = resolve_backend(cfg.backend, env)
+    cfg = dataclasses.replace(cfg, backend=backend)
+    notes = [f"backend {backend} ({why})"]
+    module = check_supported(cfg)
+    check_gpu_count(cfg, module.SUPPORTS.replicas)
+    check_model(cfg)
+    classes = check_data(cfg)
+    check_output(cfg)
+    if cfg.steps is None and cfg.epochs is None:
+        notes.append(
+            f"no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch of {cfg.data.source}"
+        )
+        cfg = dataclasses.replace(cfg, epochs=DEFAULT_EPOCHS)
+    decode_on, fallback = resolve_decode_on(cfg)
+    notes += [fallback] if fallback else []
+    cfg = dataclasses.replace(
+        cfg,
+        model=dataclasses.replace(cfg.model, num_classes=classes),
+        data=dataclasses.replace(cfg.data, decode_on=decode_on),
+    )
+    cfg = dataclasses.replace(cfg, run_name=resolve_run_name(cfg))
+    check_free(cfg.run_dir())
+    check_resume(cfg)
+    return cfg, module, notes + mesh_notes(cfg)
