@@ -11,6 +11,7 @@ and the folder takes its name once all have written. Either kind loads into any 
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import pickle
@@ -38,6 +39,20 @@ META = "meta.pt"
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used: one line, exit 2."""
+
+
+class StorageError(ConfigError):
+    """The run's folder cannot be written (full disk, permissions): one line naming the path and
+    what was kept, exit 2."""
+
+
+def storage_error(err: BaseException, run_dir: Path) -> StorageError:
+    """What a failed write says: why, where, and the newest checkpoint still on disk."""
+    reason = getattr(err, "strerror", None) or _first_line(err)
+    where = getattr(err, "filename", None) or run_dir
+    latest = latest_checkpoint(run_dir)
+    kept = f"kept {latest}" if latest else f"no checkpoint kept in {run_dir}"
+    return StorageError(f"{reason}: cannot write {where}; {kept}")
 
 
 def checkpoint_dir(run_dir: Path) -> Path:
@@ -262,6 +277,9 @@ def to_cpu(tree: Any) -> Any:
 
 
 def write_file(final: Path, payload: dict[str, Any]) -> None:
+    """Write to a temporary name, flush and fsync, then rename: a crash never leaves half a
+    file under the final name. torch.save reports a failed write as a RuntimeError of its zip
+    writer: it becomes an OSError naming the file."""
     final.parent.mkdir(parents=True, exist_ok=True)
     tmp = _unique_tmp(final)
     try:
@@ -270,6 +288,8 @@ def write_file(final: Path, payload: dict[str, Any]) -> None:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, final)
+    except RuntimeError as err:
+        raise OSError(errno.EIO, f"write failed ({_first_line(err)})", str(final)) from None
     finally:
         tmp.unlink(missing_ok=True)
 

@@ -26,8 +26,9 @@ from accel.distributed import (  # noqa: E402
     launched_by_torchrun,
 )
 from accel.resolve import resolve  # noqa: E402
-from accel.signals import NonFiniteLoss, TrainingStopped, exit_with_parent  # noqa: E402
+from accel.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from data.folder import BadImageError, DatasetError  # noqa: E402
+from data.lifetime import exit_with_parent  # noqa: E402
 from models.factory import ModelError  # noqa: E402
 
 USER_ERRORS = (ConfigError, BackendUnavailable, ModelError, DatasetError, BadImageError)

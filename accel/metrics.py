@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -78,11 +79,13 @@ class RunLogger:
         return path
 
     def close(self) -> None:
-        self.metrics.close()
+        """Close every file; a failure (a full disk) does not hide the error that ended the run."""
+        closers = [self.metrics.close, *(h.close for h in self.log.handlers)]
         if self.tb is not None:
-            self.tb.close()
-        for handler in self.log.handlers:
-            handler.close()
+            closers.append(self.tb.close)
+        for close in closers:
+            with contextlib.suppress(OSError):
+                close()
         self.log.handlers.clear()
 
 

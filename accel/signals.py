@@ -59,20 +59,3 @@ def stop_on_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def exit_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send `sig` to this process when its parent dies (Linux prctl
-    PR_SET_PDEATHSIG): a rank, a loader worker or a fork server then never outlives a killed
-    trainer or launcher, whatever killed it. A no-op elsewhere."""
-    import ctypes
-    import os
-    import sys
-
-    if not sys.platform.startswith("linux"):
-        return
-    parent = os.getppid()
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG = 1
-    if os.getppid() != parent:  # the parent died before the request was in place
-        os.kill(os.getpid(), sig)

@@ -17,7 +17,12 @@ import torch
 from tqdm import tqdm
 
 from accel.backends import Backend, create_backend
-from accel.checkpoint import CheckpointManager, remove_stale_temporaries, set_host_rng_state
+from accel.checkpoint import (
+    CheckpointManager,
+    remove_stale_temporaries,
+    set_host_rng_state,
+    storage_error,
+)
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.flops import train_flops_per_image
@@ -209,6 +214,8 @@ class Trainer:
                 return self._train()
             finally:
                 self.logger.close()
+        except OSError as err:  # no space, no permission, not a directory
+            raise storage_error(err, self.cfg.run_dir()) from None
         finally:
             if lock:
                 lock.release()

@@ -18,14 +18,19 @@ import sys
 PR_SET_PDEATHSIG = 1
 
 
-def exit_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send `sig` to this process when its parent dies (a no-op off Linux)."""
+PARENT = "ACCEL_FORKSERVER_PARENT"  # the pid a loader fork server must find as its parent
+
+
+def exit_with_parent(sig: int = signal.SIGKILL, parent: int | None = None) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (a no-op off Linux). A
+    parent that died before the request was in place is found by its pid, where it is known,
+    or by the process having been handed to init."""
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    if os.getppid() != parent:  # the parent died before the request was in place
+    now = os.getppid()
+    if now == 1 or (parent is not None and now != parent):
         os.kill(os.getpid(), sig)
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import multiprocessing
+import os
+from multiprocessing import forkserver
 
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -12,6 +14,7 @@ from data.collate import TrainCollate, eval_collate
 from data.config import DataConfig
 from data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
 from data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
+from data.lifetime import PARENT, worker_init
 from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from data.synthetic import SyntheticImages
 
@@ -61,9 +64,16 @@ def folder_num_classes(cfg: DataConfig) -> int | None:
 def worker_context() -> multiprocessing.context.BaseContext:
     """Workers start from a fork server, a fresh single-threaded process that has imported torch
     and this package: forking the training process itself, once JAX or torch_xla have started
-    their threads, can deadlock the child (JAX warns so at every fork)."""
+    their threads, can deadlock the child (JAX warns so at every fork). The fork server, and
+    the workers it forks, exit when their parent dies (data/lifetime.py)."""
     context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "data.loaders"])
+    # The lifetime preload first: torch takes seconds to import, and the trainer may die meanwhile.
+    context.set_forkserver_preload(["data.forkserver_preload", "torch", "data.loaders"])
+    os.environ[PARENT] = str(os.getpid())
+    # Started here, by the thread that builds the loader (the trainer's main one): the kernel
+    # signals a child when the *thread* that started it ends, and a loader may first be
+    # iterated by a short-lived prefetching thread.
+    forkserver.ensure_running()
     return context
 
 
@@ -83,6 +93,7 @@ def _loader(
         num_workers=workers,
         persistent_workers=persistent and workers > 0,
         multiprocessing_context=worker_context() if workers > 0 else None,
+        worker_init_fn=worker_init if workers > 0 else None,
         pin_memory=pin_memory,
         # Each new iterator draws a base seed from this generator: with the global one, starting
         # an epoch (or a resumed run) would shift the model's random stream. Data randomness is
