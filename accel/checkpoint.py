@@ -22,7 +22,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import torch
@@ -136,61 +136,16 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
-class SafeMetadataUnpickler(pickle.Unpickler):
-    """torch.distributed.checkpoint pickles its index of a checkpoint folder (`.metadata`); this
-    reads it allowing only the classes such an index holds."""
-
-    MODULES = ("torch.distributed.checkpoint.metadata",)
-    NAMES: ClassVar[set[tuple[str, str]]] = {
-        ("torch", "Size"),
-        ("torch.serialization", "_get_layout"),
-        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-        ("pathlib", "PosixPath"),
-        ("collections", "OrderedDict"),
-    }
-
-    def find_class(self, module: str, name: str) -> Any:
-        dtype = module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
-        if module in self.MODULES or (module, name) in self.NAMES or dtype:
-            return super().find_class(module, name)
-        raise CheckpointError(f"checkpoint index refers to {module}.{name}: refused")
-
-
-def safe_reader(path: Path):
-    """DCP's FileSystemReader, reading the folder's index with SafeMetadataUnpickler."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.metadata import StorageMeta
-
-    class SafeReader(FileSystemReader):
-        def read_metadata(self, *args: Any, **kwargs: Any):
-            with open(Path(self.path) / ".metadata", "rb") as f:
-                metadata = SafeMetadataUnpickler(f).load()
-            if getattr(metadata, "storage_meta", None) is None:
-                metadata.storage_meta = StorageMeta()
-            metadata.storage_meta.load_id = self.load_id
-            return metadata
-
-    return SafeReader(path)
-
-
-def safe_planner():
-    """DCP's load planner, refusing the pickled (non-tensor) items a folder may claim to hold."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner
-
-    class TensorsOnly(DefaultLoadPlanner):
-        def load_bytes(self, read_item: Any, value: Any) -> None:
-            raise CheckpointError(
-                f"checkpoint item {read_item.dest_index.fqn} is pickled data, not a tensor: refused"
-            )
-
-    return TensorsOnly()
-
-
 def sharded_keys(path: Path) -> set[str]:
     """The flattened keys ('model.x', 'optim.x.exp_avg', ...) a checkpoint folder holds."""
-    with open(Path(path) / ".metadata", "rb") as f:
-        metadata = SafeMetadataUnpickler(f).load()
-    return set(metadata.state_dict_metadata)
+    from accel.dcp_reader import UnsafeCheckpoint, read_index
+
+    try:
+        return set(read_index(path).state_dict_metadata)
+    except UnsafeCheckpoint as err:
+        raise CheckpointError(f"{path}: {err}") from None
+    except (OSError, EOFError, pickle.UnpicklingError) as err:
+        raise CheckpointError(f"{path} is not a readable checkpoint ({_first_line(err)})") from None
 
 
 # --- loading into a layout ---------------------------------------------------------------------
@@ -229,6 +184,9 @@ def load_sharded(path: Path, template: dict[str, Any]) -> None:
     """Fill `template` in place from a checkpoint folder written by any layout at any world
     size (DCP reshards); works without a process group too."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from accel.dcp_reader import SafeReader, TensorsOnly, UnsafeCheckpoint
 
     want, have = set(flatten(template)), sharded_keys(path)
     missing = sorted(k for k in want - have if not k.startswith("scaler."))
@@ -238,10 +196,11 @@ def load_sharded(path: Path, template: dict[str, Any]) -> None:
     with warnings.catch_warnings():  # one process, no process group: DCP says it loads whole
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
-            dcp.load(template, storage_reader=safe_reader(path), planner=safe_planner())
-        except CheckpointError:
-            raise
-        except (RuntimeError, ValueError) as err:
+            dcp.load(template, storage_reader=SafeReader(path), planner=TensorsOnly())
+        except CheckpointException as err:  # DCP wraps every rank's failure in this
+            first = next(iter(err.failures.values()))[0]
+            raise CheckpointError(f"{path}: {_first_line(first)}") from None
+        except (RuntimeError, ValueError, UnsafeCheckpoint) as err:
             raise CheckpointError(f"{path} does not fit this model: {_first_line(err)}") from None
 
 

@@ -48,3 +48,20 @@ def init_process_group(ctx: DistContext, timeout_s: float = 300) -> None:
 def destroy_process_group() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def collective_device() -> torch.device:
+    """Where a collective's tensors must live: the GPU under NCCL, the host under gloo."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_ints(value: int) -> list[int]:
+    """One integer from every rank, in rank order ([value] without a process group)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=collective_device())
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return [int(p.item()) for p in parts]

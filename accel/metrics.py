@@ -6,6 +6,7 @@ import contextlib
 import json
 import logging
 import math
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -106,3 +107,20 @@ def utilisation(images_per_sec: float, flops_per_image: float, override: float, 
 def steady_images_per_sec(images: int, steps: int, seconds: float) -> float:
     """img/s over the timed (post-warm-up) steps; 0 where none were timed."""
     return images * steps / seconds if steps > 0 and seconds > 0 else 0.0
+
+
+def host_bytes_now() -> int:
+    """This process's resident memory now (Linux /proc; 0 where unknown)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return 0
+    return pages * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_host_bytes() -> int:
+    """This process's peak resident memory so far (the kernel's high-water mark)."""
+    import resource
+
+    kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return kib * 1024

@@ -7,10 +7,13 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from accel.backends import check_supported
 from accel.backends.base import BackendModule
 from accel.checkpoint import latest_checkpoint, read_meta, resume_mismatches, saved_config
 from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, validate
+from accel.memory_check import check_memory
 from accel.parallel.mesh import describe_mesh
 from accel.parallel.pipeline import is_vit, stages_per_rank
 from accel.runs import check_free, latest_resumable, new_run_name
@@ -29,8 +32,6 @@ def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, st
     if requested:
         return requested, "--backend"
     if USE_ACCEL_VALUES[raw.strip().lower()]:
-        import torch
-
         if torch.cuda.is_available():
             return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
         return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
@@ -67,8 +68,6 @@ def check_model(cfg: RunConfig) -> None:
     par = cfg.parallel
     if par.pp < 2:
         return
-    import torch
-
     with torch.device("meta"):
         vit = create_model(cfg.model).model
     if not is_vit(vit):
@@ -102,8 +101,6 @@ def mesh_notes(cfg: RunConfig) -> list[str]:
 
 def check_gpu_count(cfg: RunConfig, replicas: str) -> None:
     """One process a GPU: no more processes than visible GPUs."""
-    import torch
-
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     procs = cfg.parallel.nproc_per_node
     if replicas == "processes" and gpus and procs > gpus:
@@ -116,8 +113,6 @@ def resolve_decode_on(cfg: RunConfig) -> tuple[str, str | None]:
     data = cfg.data
     if data.data_device == "cpu":
         return "workers", None
-    import torch
-
     if data.is_synthetic:
         reason = "--data synthetic has no JPEGs to decode"
     elif cfg.backend == "xla":
@@ -180,6 +175,8 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
     module = check_supported(cfg)
     check_gpu_count(cfg, module.SUPPORTS.replicas)
     check_model(cfg)
+    on_gpu = torch.cuda.is_available() and module.SUPPORTS.data_device_gpu
+    check_memory(cfg, module.SUPPORTS.replicas, on_gpu)
     classes = check_data(cfg)
     check_output(cfg)
     if cfg.steps is None and cfg.epochs is None:

@@ -24,9 +24,15 @@ from accel.checkpoint import (
     storage_error,
 )
 from accel.config import ConfigError, RunConfig
-from accel.distributed import DistContext
+from accel.distributed import DistContext, all_gather_ints
 from accel.flops import train_flops_per_image
-from accel.metrics import RunLogger, steady_images_per_sec, utilisation
+from accel.metrics import (
+    RunLogger,
+    host_bytes_now,
+    peak_host_bytes,
+    steady_images_per_sec,
+    utilisation,
+)
 from accel.optim import LRSchedule
 from accel.runs import RunLock
 from accel.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
@@ -111,6 +117,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.timer = timer = Timer(start_time if start_time is not None else time.perf_counter())
         timer.startup_s["imports"] = time.perf_counter() - timer.start
+        self.host_bytes_at_start = host_bytes_now()  # imports done, nothing of the model built
         seed_everything(cfg.seed)
         with timer.phase("backend"):
             self.backend: Backend = create_backend(cfg, ctx)
@@ -322,6 +329,9 @@ class Trainer:
         if self.cfg.eval:
             summary.update(self.evaluate())
         summary["skipped_images"] = len(self.state.skipped)  # after evaluation's skips too
+        # Every rank's memory, construction, training, checkpoints and evaluation included.
+        summary["peak_host_bytes"] = all_gather_ints(peak_host_bytes())
+        summary["host_bytes_at_start"] = all_gather_ints(self.host_bytes_at_start)
         if self.ctx.is_main:
             self.logger.write_summary(summary)
             self.logger.info(f"{ips:.1f} img/s, final loss {self.state.losses[-1]:.4f}")

@@ -45,6 +45,7 @@ def run_job(model: str, procs: int, shard: str, args: argparse.Namespace, out: P
         "step_ms": 1000 * summary["global_batch_size"] / summary["images_per_sec"],
         "images_per_sec": summary["images_per_sec"],
         "peak_memory_bytes": summary.get("peak_memory_bytes"),
+        "peak_host_mib": [round(b / 2**20) for b in summary["peak_host_bytes"]],
     }
 
 

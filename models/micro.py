@@ -30,9 +30,16 @@ def _model_kwargs(kwargs: dict) -> dict:
     return kwargs
 
 
-def _micro_vit(architecture: str, depth: int, kwargs: dict) -> VisionTransformer:
+def _micro_vit(
+    architecture: str, depth: int, kwargs: dict, width: int = 64, heads: int = 2
+) -> VisionTransformer:
     model = VisionTransformer(
-        patch_size=4, embed_dim=64, depth=depth, num_heads=2, mlp_ratio=2.0, **_model_kwargs(kwargs)
+        patch_size=4,
+        embed_dim=width,
+        depth=depth,
+        num_heads=heads,
+        mlp_ratio=2.0,
+        **_model_kwargs(kwargs),
     )
     model.pretrained_cfg = _micro_cfg(architecture=architecture)
     return model
@@ -48,6 +55,12 @@ def vit_micro(pretrained: bool = False, **kwargs) -> VisionTransformer:
 def vit_micro_d4(pretrained: bool = False, **kwargs) -> VisionTransformer:
     """vit_micro with 4 blocks: enough to cut into 4 pipeline stages."""
     return _micro_vit("vit_micro_d4", 4, kwargs)
+
+
+@register_model
+def vit_micro_wide(pretrained: bool = False, **kwargs) -> VisionTransformer:
+    """vit_micro at ViT-S's width (384): a classifier of many classes outweighs its body."""
+    return _micro_vit("vit_micro_wide", 2, kwargs, width=384, heads=6)
 
 
 @register_model

@@ -21,6 +21,7 @@ from accel.optim import weight_decay_groups
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
 View = Callable[[dict[str, Any]], dict[str, Any]]  # a layout's view of the named state
+StateInit = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]  # the norm of these tensors' gradients
 
 
@@ -41,32 +42,38 @@ def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads)
 
 
-def init_optimizer_state(optimizer: torch.optim.Optimizer, guard: Guard) -> None:
-    """Create the optimizer's state (moments, step counts) before loading a checkpoint into it,
-    as its own first step would: one step through `guard` on zero gradients (as
-    torch.distributed.checkpoint's state-dict helpers do), then the weights put back and every
-    state tensor zeroed (the load overwrites them, step counts included)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    if all(optimizer.state.get(p) for p in params):
-        return
-    kept = [p.detach().clone() for p in params]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    no_scaler = torch.amp.GradScaler("cpu", enabled=False)
-    guard(optimizer, no_scaler, torch.ones((), dtype=torch.bool, device=params[0].device))
-    optimizer.zero_grad(set_to_none=True)
-    with torch.no_grad():
-        for p, value in zip(params, kept, strict=True):
-            p.copy_(value)
-        for state in optimizer.state.values():
-            for value in state.values():
-                if torch.is_tensor(value):
-                    value.zero_()
+def init_adamw_state(optimizer: torch.optim.Optimizer, extra: StateInit | None = None) -> None:
+    """Create AdamW's state (zero moments, step counts at zero) where no step has made it yet,
+    as its first step would, so that a checkpoint loads into it in place. Made directly rather
+    than by a step on zero gradients (what torch.distributed.checkpoint's helpers do): that costs
+    a copy of the weights and of their gradients, and capturable AdamW divides by the learning
+    rate. `extra`: state tensors a variant keeps besides (torch_xla's syncfree AdamW)."""
+    for group in optimizer.param_groups:
+        on_device = group.get("fused") or group.get("capturable")
+        for p in group["params"]:
+            if optimizer.state.get(p):
+                continue
+            step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
+            state = {
+                "step": step,
+                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
+                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
+            }
+            if group.get("amsgrad"):
+                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            optimizer.state[p] = {**state, **(extra(p) if extra else {})}
 
 
 class TorchCore:
-    def __init__(self, amp: AmpPolicy, device: torch.device, masters: bool, guard: Guard):
-        self.amp, self.device, self.guard = amp, device, guard
+    def __init__(
+        self,
+        amp: AmpPolicy,
+        device: torch.device,
+        masters: bool,
+        guard: Guard,
+        extra_state: StateInit | None = None,
+    ):
+        self.amp, self.device, self.guard, self.extra_state = amp, device, guard, extra_state
         # O2 keeps fp32 master weights beside the low-precision model (unless a sharded layout's
         # fp32 shards are the masters already).
         self.separate_masters = masters
@@ -144,7 +151,7 @@ class TorchCore:
         there are any), 'optim': {name: AdamW state}}, and the fp16 loss scaler's state. The
         optimizer's state is made first where no step has made it yet (a checkpoint loads
         into it)."""
-        init_optimizer_state(self.optimizer, self.guard)
+        init_adamw_state(self.optimizer, self.extra_state)
         model, optim = {}, {}
         for module in self.modules:
             params = {n: p for n, p in module.named_parameters()}

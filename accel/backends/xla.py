@@ -139,6 +139,15 @@ def where_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Ten
                 new.copy_(torch.where(finite, new, old))
 
 
+def syncfree_extra_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
+    """What syncfree AdamW keeps unlike torch's AdamW, as its first step makes it: the step
+    count on the device, and an empty max_exp_avg_sq."""
+    return {
+        "step": torch.zeros((), dtype=torch.float, device=param.device),
+        "max_exp_avg_sq": torch.empty(0, dtype=torch.float, device=param.device),
+    }
+
+
 def syncfree_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
     """torch_xla's syncfree AdamW skips the update in its own kernel."""
     optimizer.step(found_inf=(~finite).float())
@@ -165,7 +174,8 @@ class XlaBackend:
                 stacklevel=2,
             )
         guard = syncfree_guard if self.syncfree else where_guard
-        self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard)
+        extra = syncfree_extra_state if self.syncfree else None
+        self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
         self.compiles_at_start = compile_count()  # the counters are per process, not per run
         self.compiles_at_warmup: int | None = None
         self.input_shapes: set = set()

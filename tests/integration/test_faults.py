@@ -165,9 +165,8 @@ def test_sigkill_of_one_rank_leaves_none_of_its_processes(tmp_path):
 
 def _tmpfs(path: Path, size: str) -> bool:
     path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True)  # fmt: skip
-    return done.returncode == 0
+    mount = ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)]
+    return subprocess.run(mount, capture_output=True).returncode == 0
 
 
 def test_a_full_disk_is_one_line_naming_the_path_and_what_was_kept(tmp_path):

@@ -1,5 +1,5 @@
-"""--pp: a ViT cut into stages over gloo processes, on each of torch.distributed.pipelining's
-schedules, trains the losses of the uncut run; its checkpoints are the ordinary format."""
+"""--pp: a ViT cut into stages over gloo processes trains the losses of the uncut run (ViT-L on
+every schedule is in test_scale.py); its checkpoints load into any other layout."""
 
 from pathlib import Path
 
@@ -15,8 +15,8 @@ from tests.integration.test_sharded import _nan_rank
 
 pytestmark = pytest.mark.slow
 
-# 4 blocks: 2 stages, or 4 with the interleaved schedule (two a rank). Clipping is on by
-# default: its norm spans the stages.
+# 4 blocks: 2 stages, 4 with the interleaved schedule (two a rank) or over 4 ranks. Clipping is
+# on by default: its norm spans the stages.
 JOB = ("--model", "vit_micro_d4", "--steps", "6", "--batch_size", "8", "--workers", "0")
 JOB += ("--log_every", "1", "--save_every", "2", "--pp_microbatches", "4")
 PIPELINE = ("--nproc_per_node", "2", "--pp", "2")
@@ -30,9 +30,8 @@ def _run(output: Path, *extra: str) -> tuple[dict, str]:
 def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
     jobs = {
         "single": (),
-        "gpipe": (*PIPELINE, "--pp_schedule", "gpipe"),
-        "1f1b": (*PIPELINE, "--pp_schedule", "1f1b"),
         "interleaved": (*PIPELINE, "--pp_schedule", "interleaved"),
+        "pp4": ("--nproc_per_node", "4", "--pp", "4", "--pp_schedule", "1f1b"),
         "ddp2": ("--nproc_per_node", "2"),
         "dp2xpp2": ("--nproc_per_node", "4", "--pp", "2"),
     }
@@ -43,11 +42,14 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
     return out
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved"])
-def test_each_schedule_trains_the_single_process_losses(runs, schedule):
+@pytest.mark.parametrize(
+    ("name", "mesh"),
+    [("interleaved", "dp 1 x pp 2 (2 processes), interleaved"), ("pp4", "dp 1 x pp 4")],
+)
+def test_stages_train_and_evaluate_as_the_single_process(runs, name, mesh):
     _, single, _ = runs["single"]
-    _, piped, stdout = runs[schedule]
-    assert f"accel: mesh dp 1 x pp 2 (2 processes), {schedule} schedule" in stdout
+    _, piped, stdout = runs[name]
+    assert f"accel: mesh {mesh}" in stdout
     np.testing.assert_allclose(piped["losses"][:5], single["losses"][:5], rtol=1e-5)
     np.testing.assert_allclose(piped["eval_loss"], single["eval_loss"], rtol=1e-5)
     assert piped["global_batch_size"] == single["global_batch_size"] == 8
@@ -61,13 +63,26 @@ def test_dp2_by_pp2_trains_the_ddp_losses(runs):
     np.testing.assert_allclose(mesh["eval_loss"], ddp["eval_loss"], rtol=1e-5)
 
 
-def test_pipeline_checkpoint_loads_into_plain_eager_and_resumes_exactly(runs, tmp_path):
-    output, piped, _ = runs["1f1b"]
-    checkpoints = output / "vit_micro_d4" / "eager" / "r" / "checkpoints"
-    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.dcp"))
-    np.testing.assert_allclose(plain["eval_loss"], piped["eval_loss"], rtol=1e-5)
-    resume = ("--resume", str(checkpoints / "step_00000002.dcp"))
-    resumed, _ = _run(tmp_path / "resumed", *PIPELINE, *resume)
+def _checkpoint(output: Path, step: int, kind: str = "dcp") -> Path:
+    return output / "vit_micro_d4" / "eager" / "r" / "checkpoints" / f"step_{step:08d}.{kind}"
+
+
+def test_four_stages_to_one_process_to_two_stages_evaluate_alike(runs, tmp_path):
+    """Resharding: the 4-stage checkpoint loads into one process (which saves its ordinary
+    file), and that file into 2 stages; nothing is trained on the way."""
+    output, piped, _ = runs["pp4"]
+    single, _ = _run(tmp_path / "one", "--resume", str(_checkpoint(output, 6)))
+    np.testing.assert_allclose(single["eval_loss"], piped["eval_loss"], rtol=1e-5)
+    again = ("--resume", str(_checkpoint(tmp_path / "one", 6, "pt")))
+    two, _ = _run(tmp_path / "two", *PIPELINE, *again)
+    np.testing.assert_allclose(two["eval_loss"], piped["eval_loss"], rtol=1e-5)
+    assert two["losses"] == single["losses"] == piped["losses"]  # the saved run's, carried
+
+
+def test_a_pipeline_resumes_bit_for_bit_at_the_same_layout(runs, tmp_path):
+    output, piped, _ = runs["pp4"]
+    job = ("--nproc_per_node", "4", "--pp", "4", "--resume", str(_checkpoint(output, 2)))
+    resumed, _ = _run(tmp_path, *job)
     assert resumed["losses"] == piped["losses"]
 
 

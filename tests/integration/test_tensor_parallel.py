@@ -81,6 +81,21 @@ def test_tp_checkpoint_holds_the_whole_classifier_and_resumes_exactly(runs, tmp_
     assert resumed["losses"] == split["losses"]
 
 
+def test_a_split_head_checkpoint_reshards_into_fsdp_and_back(runs, tmp_path):
+    """tp 2 -> FSDP over 2 ranks -> tp 2: every layout loads every other's checkpoint."""
+    output, split, _ = runs["tp2"]
+    last = output / "vit_micro" / "eager" / "r" / "checkpoints" / "step_00000006.dcp"
+    sharded, _ = _run(
+        tmp_path / "fsdp", "--nproc_per_node", "2", "--shard", "full", "--resume", str(last)
+    )
+    np.testing.assert_allclose(sharded["eval_loss"], split["eval_loss"], rtol=1e-5)
+    back = tmp_path / "fsdp" / "vit_micro" / "eager" / "r" / "checkpoints" / "step_00000006.dcp"
+    again, _ = _run(
+        tmp_path / "tp", "--nproc_per_node", "2", "--tp_head", "2", "--resume", str(back)
+    )
+    np.testing.assert_allclose(again["eval_loss"], split["eval_loss"], rtol=1e-5)
+
+
 class LargestExtent(TorchDispatchMode):
     """The longest axis of any tensor an op returned while active."""
 

@@ -108,3 +108,13 @@ def test_the_loop_and_the_launcher_do_not_probe_the_backend():
         text = (ROOT / rel).read_text()
         assert "hasattr(" not in text and "getattr(self.backend" not in text, rel
         assert 'backend == "' not in text and "backend.name ==" not in text, rel
+
+
+def test_no_save_path_gathers_the_whole_state():
+    """Each rank writes only what it holds: nothing pickles tensors across ranks, and the one
+    DTensor gathered whole is a gradient norm (one number, accel/parallel/fsdp.py)."""
+    for path in (ROOT / "accel").rglob("*.py"):
+        text = path.read_text()
+        assert "gather_object" not in text, path
+        if path.name != "fsdp.py":
+            assert "full_tensor()" not in text, path

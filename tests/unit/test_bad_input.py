@@ -79,6 +79,11 @@ CASES = [
         ["--amp_dtype float16", "jax"],
     ),
     (["--backend", "jax", "--steps", "0"], {}, ["--steps must be >= 1"]),
+    (
+        ["--model", "vit_huge_patch14_224", "--nproc_per_node", "4"],
+        {},
+        ["not enough memory", "4 process(es)", "--shard full"],
+    ),
     (["--backend", "xla", "--lr", "inf"], {}, ["--lr must be a finite number"]),
 ]
 

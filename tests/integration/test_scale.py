@@ -1,0 +1,92 @@
+"""Model parallel at the scale it exists for: ViT-L/16 cut into 4 pipeline stages, and a
+1,000,000-class classifier split over 2 ranks. No rank builds, trains, saves or loads the whole
+model's state; each rank's peak resident memory comes from summary.json (`peak_host_bytes`)."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.helpers import train_cli
+
+pytestmark = pytest.mark.slow
+
+VITL = ("--model", "vit_large_patch16_224", "--img_size", "32", "--batch_size", "16")
+VITL += ("--num_classes", "10", "--synthetic_length", "64", "--workers", "0", "--no-eval")
+VITL += ("--log_every", "1", "--steps", "2")
+PP4 = ("--nproc_per_node", "4", "--pp", "4", "--pp_microbatches", "8")
+SCHEDULES = ("gpipe", "1f1b", "interleaved")
+
+
+def _checkpoint(output: Path, model: str, step: int) -> Path:
+    return output / model / "eager" / "r" / "checkpoints" / f"step_{step:08d}.dcp"
+
+
+def _drop_checkpoints(output: Path, keep: Path | None = None) -> None:
+    """A ViT-L checkpoint holds 3.6 GB: only the one a test resumes stays on disk."""
+    for saved in output.glob("*/*/*/checkpoints/*"):
+        if saved != keep:
+            shutil.rmtree(saved) if saved.is_dir() else saved.unlink()
+
+
+@pytest.fixture(scope="module")
+def vitl(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    jobs = {"single": ()} | {s: (*PP4, "--pp_schedule", s) for s in SCHEDULES}
+    jobs["1f1b"] += ("--save_every", "1")  # its step-1 checkpoint is resumed below
+    runs = {}
+    for name, extra in jobs.items():
+        output = tmp_path_factory.mktemp(f"vitl-{name}")
+        runs[name] = output, train_cli(output, *VITL, *extra)[0]
+        resumed = _checkpoint(output, "vit_large_patch16_224", 1) if name == "1f1b" else None
+        _drop_checkpoints(output, keep=resumed)
+    return runs
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_vit_large_in_four_stages_trains_alike_in_under_045_of_the_memory(vitl, schedule):
+    _, single = vitl["single"]
+    _, piped = vitl[schedule]
+    np.testing.assert_allclose(piped["losses"], single["losses"], rtol=1e-4)
+    peaks = piped["peak_host_bytes"]
+    assert len(peaks) == 4
+    assert max(peaks) <= 0.45 * single["peak_host_bytes"][0], (peaks, single["peak_host_bytes"])
+
+
+def test_vit_large_pipeline_resumes_bit_for_bit_within_the_same_memory(vitl, tmp_path):
+    output, piped = vitl["1f1b"]
+    _, single = vitl["single"]
+    resume = ("--resume", str(_checkpoint(output, "vit_large_patch16_224", 1)))
+    resumed, _ = train_cli(tmp_path, *VITL, *PP4, "--pp_schedule", "1f1b", *resume)
+    _drop_checkpoints(tmp_path)
+    assert resumed["losses"] == piped["losses"]
+    assert max(resumed["peak_host_bytes"]) <= 0.45 * single["peak_host_bytes"][0]
+
+
+# A classifier of 1,000,000 classes at width 384 over a two-block body: 385M parameters, whose
+# weights, gradients and AdamW moments take 6.2 GB unsplit.
+CLASSES, WIDTH = 1_000_000, 384
+TP = ("--model", "vit_micro_wide", "--num_classes", str(CLASSES), "--batch_size", "2")
+TP += ("--synthetic_length", "16", "--workers", "0", "--no-eval", "--log_every", "1")
+TP += ("--nproc_per_node", "2", "--tp_head", "2")
+
+
+def _grown(summary: dict) -> list[int]:
+    """What each rank's run added to its memory: peak over the memory it had after imports."""
+    peaks, starts = summary["peak_host_bytes"], summary["host_bytes_at_start"]
+    return [p - s for p, s in zip(peaks, starts, strict=True)]
+
+
+def test_a_million_class_head_split_in_two_saves_and_loads_in_under_06_of_its_state(tmp_path):
+    whole = 16 * CLASSES * (WIDTH + 1)  # --tp_head 1: weights, gradients, two moments, fp32
+    saved, _ = train_cli(tmp_path / "saved", *TP, "--steps", "1")
+    checkpoint = _checkpoint(tmp_path / "saved", "vit_micro_wide", 1)
+    assert checkpoint.is_dir() and saved["state_bytes"]["classifier"] == whole // 2
+    assert max(_grown(saved)) <= 0.6 * whole, _grown(saved)
+    loaded, _ = train_cli(tmp_path / "loaded", *TP, "--steps", "2", "--resume", str(checkpoint))
+    _drop_checkpoints(tmp_path / "saved")
+    _drop_checkpoints(tmp_path / "loaded")
+    assert loaded["losses"][0] == saved["losses"][0] and len(loaded["losses"]) == 2
+    assert max(_grown(loaded)) <= 0.6 * whole, _grown(loaded)
