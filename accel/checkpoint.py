@@ -387,7 +387,7 @@ class CheckpointManager:
             return None
         if "rng" in meta:
             states = meta["rng"]
-            return states[self.rank] if self.rank < len(states) else states[0]
+            return states[min(self.rank, len(states) - 1)] if states else None
         key = f"rng.rank{self.rank}."
         names = [k[len(key) :] for k in sharded_keys(path) if k.startswith(key)]
         if not names:

@@ -49,16 +49,19 @@ def _base_type(kind: Any) -> Any:
 def _add_option(group: Any, path: str, f: dataclasses.Field, kind: Any) -> None:
     meta, default = f.metadata, f.default
     kwargs: dict[str, Any] = {"dest": path, "default": argparse.SUPPRESS}
-    base = _base_type(kind)
+    base, name = _base_type(kind), path.rsplit(".", 1)[-1].upper()
     if base is bool:
         kwargs["action"] = "store_false" if default else "store_true"
     elif typing.get_origin(base) is tuple:
-        kwargs.update(type=typing.get_args(base)[0], nargs=len(typing.get_args(base)))
+        size = len(typing.get_args(base))
+        kwargs.update(type=typing.get_args(base)[0], nargs=size, metavar=(name,) * size)
     else:
-        kwargs["type"] = base
+        kwargs.update(type=base, metavar=name)
     if meta.get("choices"):
         kwargs["choices"] = meta["choices"]
-    shown = "" if base is bool or default in (None, "") else f" (default: {_shown(default)})"
+        kwargs.pop("metavar", None)
+    said = base is bool or default in (None, "") or "default" in meta["help"]
+    shown = "" if said else f" (default: {_shown(default)})"
     kwargs["help"] = meta["help"] + shown
     group.add_argument(flag_of(path, f), **kwargs)
 

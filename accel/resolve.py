@@ -107,7 +107,7 @@ def check_gpu_count(cfg: RunConfig, replicas: str) -> None:
         raise ConfigError(f"--nproc_per_node {procs} exceeds the {gpus} visible GPUs")
 
 
-def resolve_decode_on(cfg: RunConfig) -> tuple[str, str | None]:
+def resolve_decode_on(cfg: RunConfig, gpu_decoding: bool = True) -> tuple[str, str | None]:
     """Where JPEGs are decoded (--data_device), and a line to print where it falls back: on the
     GPU by default when training from a folder on one, where a GPU decoder works."""
     data = cfg.data
@@ -115,8 +115,8 @@ def resolve_decode_on(cfg: RunConfig) -> tuple[str, str | None]:
         return "workers", None
     if data.is_synthetic:
         reason = "--data synthetic has no JPEGs to decode"
-    elif cfg.backend == "xla":
-        reason = "the xla backend does not train on a CUDA GPU"
+    elif not gpu_decoding:
+        reason = f"the {cfg.backend} backend does not take batches decoded on the GPU"
     elif not torch.cuda.is_available():
         reason = "no CUDA GPU is visible to torch"
     else:
@@ -184,7 +184,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
             f"no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch of {cfg.data.source}"
         )
         cfg = dataclasses.replace(cfg, epochs=DEFAULT_EPOCHS)
-    decode_on, fallback = resolve_decode_on(cfg)
+    decode_on, fallback = resolve_decode_on(cfg, module.SUPPORTS.data_device_gpu)
     notes += [fallback] if fallback else []
     cfg = dataclasses.replace(
         cfg,

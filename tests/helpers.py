@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ from data.config import DataConfig
 from models.factory import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+HAS_XLA = importlib.util.find_spec("torch_xla") is not None
 # An option by its own name ("shard") or its path ("parallel.shard"); nested configs by theirs.
 PATHS = {path.rsplit(".", 1)[-1]: path for path, _, _ in leaf_fields(RunConfig)}
 PATHS.update(mixup="data.mixup")
@@ -74,6 +76,13 @@ def train_cli(output: Path, *args: str, env: dict | None = None) -> tuple[dict, 
     return read_summary(output), result.stdout
 
 
+def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`python -c code` in the project root."""
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+    )
+
+
 def run_cli_without(package: str, *args: str) -> subprocess.CompletedProcess:
     """launch_single_task in a process where `package` cannot be imported (as if not installed)."""
     code = (
@@ -81,9 +90,7 @@ def run_cli_without(package: str, *args: str) -> subprocess.CompletedProcess:
         "from accel.launch_single_task import main; "
         f"sys.exit(main({list(args)!r}))"
     )
-    return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120
-    )
+    return run_python(code)
 
 
 def read_summary(output: Path) -> dict:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import os
 import queue
 import threading
@@ -28,11 +27,14 @@ import torch
 
 from accel.amp import AmpPolicy, amp_policy
 from accel.backends.base import BackendUnavailable, Batch, StepResult, Supports
+from accel.backends.quiet import quiet_imports
+from accel.backends.torchax_compat import not_an_accelerator, removed_ops
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.losses import eval_sums, summarise
 from accel.optim import decay_mask
 from accel.parallel import effective_shard
+from accel.versions import installed
 from models.factory import ModelConfig, create_model
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
@@ -45,35 +47,8 @@ SUPPORTS = Supports(
     "(cuDNN flash attention on GPU)",
 )
 
-# What torchax's imports log that says nothing about a run: flax's notice that TensorFlow's file
-# API is absent, and torchax registering one op twice.
-IMPORT_NOTICES = ("Tensorflow library not found", "Duplicate op registration for aten.__and__")
-
-
-class _DropNotices(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(notice in record.getMessage() for notice in IMPORT_NOTICES)
-
-
-@contextlib.contextmanager
-def quiet_imports():
-    """Drop IMPORT_NOTICES, and keep a module-level logging.warning() inside the imports from
-    configuring the root logger for the whole process (a NullHandler stands in meanwhile)."""
-    root, drop, stand_in = logging.getLogger(), _DropNotices(), logging.NullHandler()
-    root.addHandler(stand_in)
-    handlers = [*root.handlers, *logging.getLogger("absl").handlers]
-    for handler in handlers:
-        handler.addFilter(drop)
-    try:
-        yield
-    finally:
-        for handler in handlers:
-            handler.removeFilter(drop)
-        root.removeHandler(stand_in)
-
-
 try:
-    with quiet_imports():
+    with quiet_imports(), removed_ops():
         import jax
         import jax.numpy as jnp
         import optax
@@ -85,8 +60,10 @@ try:
         from torchax.tensor import OperatorNotFound
 
         from accel.backends.jax_attention import AttentionKernels
-except ImportError:  # reported by require() as one line with the install command
-    jax = None
+    not_an_accelerator(torchax.device_module)
+    IMPORT_ERROR: BaseException | None = None
+except Exception as err:  # reported by require() as one line: missing, or not for this torch
+    jax, IMPORT_ERROR = None, err
 
 
 # JAX's GPU client takes this fraction of the card when it starts (its default, 0.75, leaves a
@@ -95,8 +72,15 @@ RUNTIME_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
 def require() -> None:
-    if jax is None:
+    if isinstance(IMPORT_ERROR, ImportError):
         raise BackendUnavailable(f"the jax backend needs jax, torchax and optax: {INSTALL}")
+    if IMPORT_ERROR is not None:
+        versions = ", ".join(f"{p} {installed(p)}" for p in ("torch", "torchax", "jax"))
+        raise BackendUnavailable(
+            f"the jax backend cannot start: importing torchax failed with {versions} "
+            f"({type(IMPORT_ERROR).__name__}: {IMPORT_ERROR}); install a torchax release "
+            "made for this torch, or a torch torchax supports"
+        )
     for name, value in RUNTIME_ENV.items():
         os.environ.setdefault(name, value)
 
@@ -325,7 +309,7 @@ class JaxBackend:
         self.shard = effective_shard(cfg.parallel.shard, self.mesh.size)
         if self.shard != "none" and jax.process_count() > 1:
             raise ConfigError("--shard on jax shards over one process's devices, not across hosts")
-        with quiet_imports():  # torchax registers its ops on first use
+        with quiet_imports(), removed_ops():  # torchax registers its ops here
             self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
         self.base_key = jax.random.key(cfg.seed)

@@ -27,6 +27,7 @@ import torch
 
 from accel.amp import amp_policy
 from accel.backends.base import BackendUnavailable, Batch, RecompileError, StepResult, Supports
+from accel.backends.quiet import quiet_imports
 from accel.backends.torch_core import TorchCore, local_norm
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
@@ -41,11 +42,12 @@ SUPPORTS = Supports(
 )
 
 try:
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    import torch_xla.debug.metrics as met
-    import torch_xla.distributed.parallel_loader as pl
-    import torch_xla.runtime as xr
+    with quiet_imports():
+        import torch_xla
+        import torch_xla.core.xla_model as xm
+        import torch_xla.debug.metrics as met
+        import torch_xla.distributed.parallel_loader as pl
+        import torch_xla.runtime as xr
 except ImportError:  # reported by require() as one line with the install command
     torch_xla = None
 

@@ -1,10 +1,11 @@
 """Build only what a rank keeps: the model is made on the meta device, split (stages, classifier
 rows, FSDP shards), and only this rank's part is allocated; its values then come from the one
-whole model rank 0 initialises, a tensor at a time, so they equal the unsplit model's.
+whole model rank 0 initialises, each rank receiving its own part of each tensor, so they equal
+the unsplit model's.
 
-Rank 0 holds one whole copy of the model on the host while it is broadcast; every other rank
-holds its part plus one tensor in flight. timm initialises a model as a whole (one random stream
-over all its layers), so a part cannot be initialised alone to the same values.
+Rank 0 holds one whole copy of the model on the host while it sends the parts; every other rank
+holds its part only. timm initialises a model as a whole (one random stream over all its
+layers), so a part cannot be initialised alone to the same values.
 """
 
 from __future__ import annotations
@@ -47,6 +48,37 @@ def allocate(modules: list[nn.Module], device: torch.device) -> None:
                 local_region(tensor)[0].zero_()
 
 
+MAX_DIMS = 8  # a region travels as [held, start, stop, ...] padded to this many axes
+
+
+def _encode(region: Region | None, ndim: int) -> torch.Tensor:
+    """A rank's region of one tensor as a fixed-size int tensor (held = 0: none of it)."""
+    code = torch.zeros(1 + 2 * MAX_DIMS, dtype=torch.int64)
+    if region is not None:
+        code[0] = 1
+        for axis, part in enumerate(region or (slice(None),) * ndim):
+            code[1 + 2 * axis], code[2 + 2 * axis] = part.start or 0, part.stop or -1
+    return code
+
+
+def _decode(code: list[int], shape: torch.Size) -> Region | None:
+    if not code[0]:
+        return None
+    return tuple(
+        slice(code[1 + 2 * a], size if code[2 + 2 * a] < 0 else code[2 + 2 * a])
+        for a, size in enumerate(shape)
+    )
+
+
+def _regions(parts: dict[str, torch.Tensor], name: str, meta: torch.Tensor, device) -> list:
+    """Every rank's region of tensor `name`, in rank order (one small all_gather)."""
+    region = local_region(parts[name])[1] if name in parts else None
+    mine = _encode(region, meta.dim()).to(device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    return [_decode(code.tolist(), meta.shape) for code in every]
+
+
 def fill_from_rank0(
     parts: dict[str, torch.Tensor],
     whole: nn.Module,
@@ -54,16 +86,26 @@ def fill_from_rank0(
     device: torch.device,
 ) -> None:
     """Give the allocated tensors of `parts` (plain, or DTensor views of this rank's part) the
-    values of the model `build()` makes on rank 0. `whole` is the model on the meta device:
-    every rank walks its tensors in the same order."""
-    source = dict(named_tensors(build())) if dist.get_rank() == 0 else {}
+    values of the model `build()` makes on rank 0: rank 0 sends each rank its own region of
+    each tensor, point to point, so no other rank ever holds more than its part. `whole` is the
+    model on the meta device: every rank walks its tensors in the same order."""
+    rank = dist.get_rank()
+    source = dict(named_tensors(build())) if rank == 0 else {}
     with torch.no_grad():
         for name, meta in named_tensors(whole):
-            buffer = source.pop(name, None)
-            if buffer is None:
-                buffer = torch.empty(meta.shape, dtype=meta.dtype, device=device)
-            buffer = buffer.to(device=device, dtype=meta.dtype)
-            dist.broadcast(buffer, src=0)
-            if name in parts:
-                storage, region = local_region(parts[name])
-                storage.copy_(buffer[region])
+            regions, full = _regions(parts, name, meta, device), source.pop(name, None)
+            for peer, region in enumerate(regions):
+                if region is None or (rank not in (0, peer)):
+                    continue
+                if rank == 0:
+                    piece = full[region].to(device=device, dtype=meta.dtype).contiguous()
+                    if peer == 0:
+                        local_region(parts[name])[0].copy_(piece)
+                    else:
+                        dist.send(piece, dst=peer)
+                else:
+                    storage = local_region(parts[name])[0]
+                    into = storage if storage.is_contiguous() else torch.empty_like(storage)
+                    dist.recv(into, src=0)
+                    if into is not storage:
+                        storage.copy_(into)

@@ -107,14 +107,21 @@ def cut_vit(model: ImageClassifier, mesh: MeshLayout, schedule: str) -> StagePla
 
 
 class GlooSafeStage(PipelineStage):
+    """A PipelineStage that runs over gloo (see _skip_warmup_on_gloo)."""
+
+
+def _skip_warmup_on_gloo(self) -> list[dist.P2POp]:
     """torch 2.9's first exchange between neighbour stages receives a float32 into the buffer
     its peer fills with an int64; gloo refuses the size mismatch. That exchange only warms up
     NCCL's communicators (the first real send does the same), so gloo skips it."""
+    if dist.get_backend(self.group) == "gloo":
+        return []
+    return PipelineStage._get_init_p2p_neighbors_ops(self)
 
-    def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
-        if dist.get_backend(self.group) == "gloo":
-            return []
-        return super()._get_init_p2p_neighbors_ops()
+
+# Later torch releases dropped that warm-up exchange (and the method): nothing to override there.
+if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):
+    GlooSafeStage._get_init_p2p_neighbors_ops = _skip_warmup_on_gloo
 
 
 def schedule_stages(

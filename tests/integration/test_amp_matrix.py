@@ -25,7 +25,14 @@ MODELS = {
     "jax": ("vit_micro", "swin_micro"),
 }
 CASES = [
-    pytest.param(backend, model, level, kernel_opt, id=f"{backend}-{model}-{level}-{opt}")
+    pytest.param(
+        backend,
+        model,
+        level,
+        kernel_opt,
+        id=f"{backend}-{model}-{level}-{opt}",
+        marks=[pytest.mark.xla] if backend == "xla" else [],
+    )
     for backend, models in MODELS.items()
     for model in models
     for level in LEVELS
@@ -134,7 +141,7 @@ def test_jax_o1_tracks_eager_o1():
     assert jax_losses == pytest.approx(eager_losses, rel=2e-2)
 
 
-@pytest.mark.parametrize("backend", ["compile", "xla", "jax"])
+@pytest.mark.parametrize("backend", ["compile", pytest.param("xla", marks=pytest.mark.xla), "jax"])
 def test_o0_first_five_losses_equal_eager(backend):
     for model in MODELS[backend]:
         got = train_case(backend, model, "O0", False)["losses"]

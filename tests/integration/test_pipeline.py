@@ -5,8 +5,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import torch.multiprocessing as mp
+from safetensors.torch import load_file
 
+from accel.export import main as export_main
 from tests import nan_model
 from tests.helpers import checkpoint_tensors, read_summary, train_cli
 from tests.integration.test_nan_policy import _config as _nan_config
@@ -77,6 +80,20 @@ def test_four_stages_to_one_process_to_two_stages_evaluate_alike(runs, tmp_path)
     two, _ = _run(tmp_path / "two", *PIPELINE, *again)
     np.testing.assert_allclose(two["eval_loss"], piped["eval_loss"], rtol=1e-5)
     assert two["losses"] == single["losses"] == piped["losses"]  # the saved run's, carried
+
+
+def test_export_writes_a_sharded_checkpoint_as_one_file(runs, tmp_path):
+    """accel-export: timm's weights as safetensors, and the ordinary one-file checkpoint, which
+    resumes in one process as the folder does."""
+    output, piped, _ = runs["pp4"]
+    folder = _checkpoint(output, 6)
+    assert export_main([str(folder), "--out", str(tmp_path / "w.safetensors")]) == 0
+    weights, whole = load_file(tmp_path / "w.safetensors"), checkpoint_tensors(folder)
+    assert {f"model.model.{k}" for k in weights} == {k for k in whole if k.startswith("model.")}
+    assert all(torch.equal(v, whole[f"model.model.{k}"]) for k, v in weights.items())
+    assert export_main([str(folder), "--out", str(tmp_path / "one.pt")]) == 0
+    single, _ = _run(tmp_path / "one", "--resume", str(tmp_path / "one.pt"))
+    np.testing.assert_allclose(single["eval_loss"], piped["eval_loss"], rtol=1e-5)
 
 
 def test_a_pipeline_resumes_bit_for_bit_at_the_same_layout(runs, tmp_path):

@@ -10,9 +10,9 @@ import pytest
 from accel.distributed import DistContext
 from accel.report import main as report_main
 from accel.train import Trainer
-from tests.helpers import micro_config, run_cli
+from tests.helpers import HAS_XLA, micro_config, run_cli
 
-BACKENDS = ("eager", "xla", "jax")
+BACKENDS = ("eager", "xla" if HAS_XLA else "compile", "jax")
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_unfinished_runs_and_corrupt_lines_are_reported_once_and_left_out(
     tree = tmp_path / "runs"
     shutil.copytree(run_tree, tree)
     (tree / "vit_micro" / "compile" / "crashed").mkdir(parents=True)  # no summary.json
-    with open(tree / "vit_micro" / "xla" / "t" / "metrics.jsonl", "a") as f:
+    with open(tree / "vit_micro" / BACKENDS[1] / "t" / "metrics.jsonl", "a") as f:
         f.write('{"kind": "step", "step": 99, "lo\n')
     assert report_main([str(tree), "--out", str(tmp_path / "out")]) == 0
     err = capsys.readouterr().err

@@ -78,7 +78,7 @@ def test_sigkill_then_resume_auto_reproduces_every_loss(tmp_path, reference, kil
     assert killed_and_resumed(tmp_path, kill_after) == reference
 
 
-@pytest.mark.parametrize("backend", ["xla", "jax"])
+@pytest.mark.parametrize("backend", [pytest.param("xla", marks=pytest.mark.xla), "jax"])
 def test_xla_and_jax_resume_after_sigkill_at_two_points(tmp_path, backend):
     expected = full_run(tmp_path / "full", backend)
     for kill_after in (3, 8):

@@ -27,7 +27,10 @@ SEED_COMMANDS = [
 ]
 
 
-@pytest.mark.parametrize(("command", "env", "backend", "level"), SEED_COMMANDS)
+@pytest.mark.parametrize(
+    ("command", "env", "backend", "level"),
+    [pytest.param(*c, marks=[pytest.mark.xla] if c[2] == "xla" else []) for c in SEED_COMMANDS],
+)
 def test_seed_commands_train_a_default_length(tmp_path, command, env, backend, level):
     argv = shlex.split(command)
     argv = [str(SCRIPT), *argv[argv.index("launch_single_task") + 1 :]]

@@ -104,7 +104,13 @@ def _main(args, env, output: Path, capsys, monkeypatch) -> tuple[int, str]:
     return code, capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("args", "env", "needles"), CASES, ids=[" ".join(c[0]) for c in CASES])
+@pytest.mark.parametrize(
+    ("args", "env", "needles"),
+    [
+        pytest.param(*c, id=" ".join(c[0]), marks=[pytest.mark.xla] if "xla" in c[0] else [])
+        for c in CASES
+    ],
+)
 def test_each_mistake_is_one_line_exit_2(args, env, needles, tmp_path, capsys, monkeypatch):
     code, err = _main(args, env, tmp_path, capsys, monkeypatch)
     _one_line(code, err, needles, tmp_path)

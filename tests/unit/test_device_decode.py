@@ -102,12 +102,13 @@ def test_no_gpu_decoder_is_found_on_a_cpu_build_and_the_run_falls_back(monkeypat
     ("source", "backend", "reason"),
     [
         ("synthetic", "eager", "no JPEGs to decode"),
-        ("folder", "xla", "xla backend"),
+        ("folder", "xla", "xla backend does not take batches decoded on the GPU"),
     ],
 )
 def test_data_device_gpu_where_it_cannot_work_is_refused(tmp_path, source, backend, reason):
     cfg = micro_config(tmp_path, backend=backend, source=source, data_device="gpu")
+    gpu_decoding = backend != "xla"  # what the backends' Supports tables say
     with pytest.raises(ConfigError, match=f"--data_device gpu: .*{reason}"):
-        resolve_decode_on(cfg)
+        resolve_decode_on(cfg, gpu_decoding)
     cfg = replace_path(cfg, "data.data_device", "auto")
-    assert resolve_decode_on(cfg) == ("workers", None)
+    assert resolve_decode_on(cfg, gpu_decoding) == ("workers", None)

@@ -1,0 +1,108 @@
+"""What the project borrows from torch's and torchax's internals still exists where it is used,
+on the pinned stack and on the newest (make test-latest), so a rename fails here, not in a run."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from accel.backends import torchax_compat
+from accel.parallel.pipeline import GlooSafeStage
+from accel.versions import OPS_REMOVED, release
+from tests.helpers import run_python
+
+# Private names the code imports or subclasses: (module, attribute).
+PRIVATE = [
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset"),
+    ("torch._dynamo.utils", "counters"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch._ops", "OpOverloadPacket"),
+    ("torch._ops", "_OpNamespace"),
+]
+
+
+@pytest.mark.parametrize(("module", "name"), PRIVATE, ids=[f"{m}.{n}" for m, n in PRIVATE])
+def test_each_private_name_used_exists(module, name):
+    assert hasattr(importlib.import_module(module), name)
+
+
+def test_every_method_the_project_overrides_exists_on_the_base():
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    from torch.distributed.pipelining import PipelineStage
+
+    from accel.dcp_reader import SafeReader, TensorsOnly
+
+    overrides = [
+        (SafeReader, FileSystemReader, ("read_metadata", "set_up_storage_reader", "read_data")),
+        (TensorsOnly, DefaultLoadPlanner, ("load_bytes",)),
+        # Defined only where this torch still has it (later releases dropped it).
+        (GlooSafeStage, PipelineStage, tuple(vars(GlooSafeStage))),
+    ]
+    for ours, base, names in overrides:
+        for name in names:
+            if callable(getattr(ours, name, None)) and not name.startswith("__"):
+                assert name in vars(ours), f"{ours.__name__} no longer defines {name}"
+                assert hasattr(base, name), f"{ours.__name__}.{name} overrides nothing"
+    for patched in (torch._ops.OpOverloadPacket, torch._ops._OpNamespace):  # torchax_compat
+        assert "__getattr__" in vars(patched)
+
+
+def test_release_reads_the_major_and_minor():
+    assert release("2.13.0+cpu") == (2, 13) and release("2.9.0") == (2, 9)
+    assert release("0.12.0.1") == (0, 12) and release("2.15.0rc1") == (2, 15)
+
+
+def test_a_missing_op_is_a_stand_in_only_inside_the_shim(monkeypatch):
+    monkeypatch.setattr(torchax_compat, "OPS_REMOVED", True)
+    with torchax_compat.removed_ops():
+        gone = torch.ops.aten.prod.names_that_never_were
+        assert isinstance(gone, torchax_compat.RemovedOp)
+        assert isinstance(torch.ops.aten.op_that_never_was.default, torchax_compat.RemovedOp)
+        assert isinstance(torch.ops.aten.prod.default, torch._ops.OpOverload)  # real ones as ever
+    with pytest.raises(AttributeError):
+        _ = torch.ops.aten.prod.names_that_never_were
+    with pytest.raises(AttributeError):
+        _ = torch.ops.aten.op_that_never_was
+    if OPS_REMOVED:  # torch >= 2.13: an overload torchax 0.0.13 names is gone
+        with pytest.raises(AttributeError):
+            _ = torch.ops.aten.prod.dim_Dimname
+
+
+def test_torchax_imports_and_its_environment_starts_on_this_torch():
+    from accel.backends.jax import IMPORT_ERROR, torchax  # imported through the shim
+
+    assert IMPORT_ERROR is None
+    with torchax_compat.removed_ops():
+        assert torchax.default_env() is not None
+
+
+def test_any_failure_importing_torchax_is_one_line_naming_the_versions(tmp_path):
+    code = (
+        "import builtins; real = builtins.__import__\n"
+        "def fail(name, *a, **k):\n"
+        "    if name == 'torchax':\n"
+        "        raise AttributeError(\"no overload name 'dim_Dimname'\")\n"
+        "    return real(name, *a, **k)\n"
+        "builtins.__import__ = fail\n"
+        "import sys; from accel.launch_single_task import main\n"
+        f"sys.exit(main(['--backend', 'jax', '--steps', '1', '--output', {str(tmp_path)!r}]))\n"
+    )
+    result = run_python(code)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "Traceback" not in result.stderr
+    assert "torch " in lines[0] and "torchax " in lines[0] and "dim_Dimname" in lines[0]
+
+
+def test_an_eager_step_runs_in_a_process_that_imported_torchax():
+    """torchax's "jax" device is no accelerator of torch's: an optimizer step still runs."""
+    import accel.backends.jax  # noqa: F401  (imports torchax)
+
+    weight = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
+    weight.grad = torch.ones(3)
+    optimizer.step()
+    assert torch.all(weight < 1)
