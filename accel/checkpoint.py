@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from accel.config import ConfigError, RunConfig, from_dict, get_path, resume_keys
+from accel.config import ConfigError, RunConfig, from_dict, get_path, global_batch, resume_keys
 from accel.parallel.materialize import local_region
 
 FORMAT = "accel-checkpoint-2"
@@ -305,12 +305,17 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 # --- what must match to resume -----------------------------------------------------------------
 def resume_mismatches(saved: RunConfig, current: RunConfig, saved_world: int, world: int) -> list:
-    """'key (checkpoint X, now Y)' for every option that shapes the model or orders the data."""
+    """'key (checkpoint X, now Y)' for every option that shapes the model or orders the data,
+    and for the global batch; a world size that differs is listed last (a warning only)."""
     found = [
         f"{k} (checkpoint {get_path(saved, k)}, now {get_path(current, k)})"
         for k in resume_keys()
         if get_path(saved, k) != get_path(current, k)
     ]
+    if global_batch(saved) != global_batch(current):
+        found.append(
+            f"global_batch (checkpoint {global_batch(saved)}, now {global_batch(current)})"
+        )
     if saved_world != world:
         found.append(f"world_size (checkpoint {saved_world}, now {world})")
     return found

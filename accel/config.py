@@ -46,7 +46,7 @@ class OptimConfig:
     warmup_steps: int = option(0, "linear warm-up steps of the cosine schedule", min=0)
     min_lr: float = option(1e-6, "learning rate at the end of the schedule", min=0)
     clip_grad: float = option(1.0, "max gradient norm (0 = no clipping)", min=0)
-    grad_accum: int = option(1, "micro-steps per optimizer step", min=1, resume="same")
+    grad_accum: int = option(1, "micro-steps per optimizer step", min=1)
 
 
 @dataclass(frozen=True)
@@ -63,6 +63,14 @@ class ParallelConfig:
     pp: int = option(1, "cut a ViT into N pipeline stages: a dp x pp mesh", min=1)
     pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
     pp_microbatches: int = option(4, "micro-batches a batch streams through the pipeline in", min=1)
+    nnodes: int = option(1, "hosts the job spans (one launcher a host)", min=1)
+    node_rank: int = option(0, "this host's place among them (with --master_addr)", min=0)
+    master_addr: str = option("", "rank 0's host, reachable from every node (static rendezvous)")
+    master_port: int = option(29500, "rank 0's port (static rendezvous)", min=1, max=65535)
+    rdzv_endpoint: str = option(
+        "", "host:port of a c10d rendezvous (instead of --master_addr/--master_port)"
+    )
+    rdzv_timeout: int = option(300, "seconds to wait for every node to join", min=1)
 
 
 @dataclass(frozen=True)
@@ -93,9 +101,7 @@ class RunConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     compiler: CompilerConfig = field(default_factory=CompilerConfig)
-    batch_size: int = option(
-        32, "images per device and micro-step", min=1, group=RUN, resume="same"
-    )
+    batch_size: int = option(32, "images per device and micro-step", min=1, group=RUN)
     steps: int | None = option(
         None, f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)", min=1, group=RUN
     )
@@ -204,6 +210,19 @@ def flag_of(path: str, f: dataclasses.Field) -> str:
     return f.metadata.get("flag", "--" + path.rsplit(".", 1)[-1])
 
 
+def data_replicas(cfg: RunConfig) -> int:
+    """Devices the data is split over: every node's processes or devices, over the
+    model-parallel size (the ranks of a tp or pp group train on the same batch)."""
+    par = cfg.parallel
+    return par.nnodes * par.nproc_per_node // max(par.tp_head, par.pp)
+
+
+def global_batch(cfg: RunConfig) -> int:
+    """Images an optimizer step trains on: what a checkpoint must resume with (its data order
+    is then the saved run's where the replicas are too; --batch_size may be split otherwise)."""
+    return cfg.batch_size * data_replicas(cfg) * cfg.optim.grad_accum
+
+
 def resume_keys() -> list[str]:
     """Options a checkpoint must be resumed with unchanged (metadata resume="same")."""
     return [path for path, f, _ in leaf_fields(RunConfig) if f.metadata.get("resume") == "same"]
@@ -243,6 +262,7 @@ def check_ranges(cfg: RunConfig) -> None:
 def check_combinations(cfg: RunConfig) -> None:
     """Options that cannot work together, whatever the backend."""
     par = cfg.parallel
+    procs = par.nnodes * par.nproc_per_node
     if cfg.steps is not None and cfg.epochs is not None:
         raise ConfigError("give --steps or --epochs, not both")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
@@ -252,10 +272,17 @@ def check_combinations(cfg: RunConfig) -> None:
     for flag, size in (("--tp_head", par.tp_head), ("--pp", par.pp)):
         if size > 1 and par.shard != "none":
             raise ConfigError(f"{flag} and --shard cannot be combined")
-        if size > 1 and par.nproc_per_node % size:
+        if size > 1 and procs % size:
+            where = f" x --nnodes {par.nnodes}" if par.nnodes > 1 else ""
             raise ConfigError(
-                f"--nproc_per_node {par.nproc_per_node} is not divisible by {flag} {size}"
+                f"--nproc_per_node {par.nproc_per_node}{where} is not divisible by {flag} {size}"
             )
+    if par.nnodes > 1 and not (par.master_addr or par.rdzv_endpoint):
+        raise ConfigError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
+    if par.nnodes > 1 and not cfg.run_name:
+        raise ConfigError("--nnodes > 1: give every node the same --run_name")
+    if par.node_rank >= par.nnodes:
+        raise ConfigError(f"--node_rank {par.node_rank} is not below --nnodes {par.nnodes}")
     if par.pp > 1 and cfg.batch_size % par.pp_microbatches:
         raise ConfigError(
             f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "

@@ -1,10 +1,13 @@
-"""Process-group context from the environment torch.distributed.run sets."""
+"""Process-group context from the environment a launcher sets: torch.distributed.run (torchrun),
+or Slurm's srun (one task a rank)."""
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,24 +28,42 @@ class DistContext:
         return self.world_size > 1
 
 
+# Where torchrun's variables are missing, Slurm's name the same things.
+SLURM = {"RANK": "SLURM_PROCID", "LOCAL_RANK": "SLURM_LOCALID", "WORLD_SIZE": "SLURM_NTASKS"}
+
+
+def _rank_env(name: str) -> str | None:
+    value = os.environ.get(name)
+    if value is None and os.environ.get("SLURM_NTASKS", "1") != "1":
+        value = os.environ.get(SLURM[name])
+    return value
+
+
 def launched_by_torchrun() -> bool:
-    return "TORCHELASTIC_RUN_ID" in os.environ or "LOCAL_RANK" in os.environ
+    """Whether this process is one rank of a job another launcher started (torchrun, srun)."""
+    return "TORCHELASTIC_RUN_ID" in os.environ or _rank_env("LOCAL_RANK") is not None
 
 
 def env_context() -> DistContext:
     return DistContext(
-        int(os.environ.get("RANK", 0)),
-        int(os.environ.get("LOCAL_RANK", 0)),
-        int(os.environ.get("WORLD_SIZE", 1)),
+        int(_rank_env("RANK") or 0),
+        int(_rank_env("LOCAL_RANK") or 0),
+        int(_rank_env("WORLD_SIZE") or 1),
     )
 
 
 def init_process_group(ctx: DistContext, timeout_s: float = 300) -> None:
-    """NCCL on CUDA, gloo on CPU; a no-op for a single process."""
+    """NCCL on CUDA, gloo on CPU; a no-op for a single process. The rank and world size are
+    passed (srun sets no RANK); MASTER_ADDR and MASTER_PORT come from the environment."""
     if not ctx.distributed or dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        backend,
+        rank=ctx.rank,
+        world_size=ctx.world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
 
 
 def destroy_process_group() -> None:
@@ -65,3 +86,23 @@ def all_gather_ints(value: int) -> list[int]:
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     return [int(p.item()) for p in parts]
+
+
+def first_difference(mine: dict[str, Any]) -> str | None:
+    """Compares a flat dict across the ranks with rank 0's: 'key (rank 0: X, here: Y)' for
+    the first key that differs on this rank, None where all agree (a few bytes of JSON through
+    two all_gathers)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return None
+    raw = json.dumps(mine, sort_keys=True, default=str).encode()
+    lengths = all_gather_ints(len(raw))
+    padded = torch.zeros(max(lengths), dtype=torch.uint8)
+    padded[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+    device = collective_device()
+    parts = [torch.empty_like(padded, device=device) for _ in lengths]
+    dist.all_gather(parts, padded.to(device))
+    first = json.loads(bytes(parts[0][: lengths[0]].cpu().tolist()))
+    for key, value in mine.items():
+        if first.get(key) != json.loads(json.dumps(value, default=str)):
+            return f"{key} (rank 0: {first.get(key)}, rank {dist.get_rank()}: {value})"
+    return None

@@ -8,6 +8,7 @@ the backends whose replicas are processes; jax and xla drive N devices from this
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -17,11 +18,13 @@ from pathlib import Path
 START = time.perf_counter()  # before the heavy imports below: time_to_first_step counts them
 
 from accel.backends.base import BackendUnavailable, RecompileError  # noqa: E402
+from accel.checkpoint import flatten  # noqa: E402
 from accel.cli import build_parser, config_from_args  # noqa: E402
 from accel.config import ConfigError, RunConfig  # noqa: E402
 from accel.distributed import (  # noqa: E402
     DistContext,
     destroy_process_group,
+    first_difference,
     init_process_group,
     launched_by_torchrun,
 )
@@ -52,13 +55,54 @@ def job_exit_code(failures: dict[int, object]) -> tuple[int, list[int]]:
     return (first.exitcode if own(first) else 1), order
 
 
+def rendezvous(cfg: RunConfig) -> list[str]:
+    """torchrun's arguments for how this host's processes find the others: a single host, a
+    static rendezvous at rank 0's address (--master_addr), or a c10d one (--rdzv_endpoint)."""
+    par = cfg.parallel
+    if par.nnodes == 1:
+        return ["--standalone"]
+    # Read by the static rendezvous (timeout) and by c10d (join_timeout).
+    wait = f"timeout={par.rdzv_timeout},join_timeout={par.rdzv_timeout}"
+    args = [f"--nnodes={par.nnodes}", f"--rdzv_conf={wait}"]
+    if par.rdzv_endpoint:
+        backend = ("--rdzv_backend=c10d", f"--rdzv_endpoint={par.rdzv_endpoint}")
+        return [*args, *backend, f"--rdzv_id={cfg.run_name}"]
+    place = (f"--node_rank={par.node_rank}", f"--master_addr={par.master_addr}")
+    return [*args, *place, f"--master_port={par.master_port}"]
+
+
+def rendezvous_failure(cfg: RunConfig, err: BaseException) -> str:
+    par = cfg.parallel
+    where = par.rdzv_endpoint or f"{par.master_addr}:{par.master_port}"
+    reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+    return (
+        f"the {par.nnodes} nodes did not all join the rendezvous at {where} within "
+        f"--rdzv_timeout {par.rdzv_timeout} s ({reason})"
+    )
+
+
+class _ExitBarrierRace(logging.Filter):
+    """Across hosts, the host that keeps the rendezvous store may close it while another host's
+    agent still waits on the job's exit barrier; torch logs that agent's harmless failure as an
+    error with a stack trace, after every rank has finished."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "Error waiting on exit barrier" not in record.getMessage()
+
+
+def quiet_exit_barrier() -> None:
+    logging.getLogger("torch.distributed.elastic.agent.server.api").addFilter(_ExitBarrierRace())
+
+
 def spawn(cfg: RunConfig, argv: list[str]) -> int:
-    """Start nproc_per_node copies of this module through torchrun."""
+    """Start nproc_per_node copies of this module on this host through torchrun."""
+    from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
     from torch.distributed.run import main as torchrun
 
     args = [
-        "--standalone",
+        *rendezvous(cfg),
         f"--nproc_per_node={cfg.parallel.nproc_per_node}",
         "--module",
         "accel.launch_single_task",
@@ -66,6 +110,7 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
         *("--backend", str(cfg.backend), "--run_name", cfg.run_name),
     ]
     os.environ[SPAWNED] = "1"  # the ranks leave the launcher's lines to the launcher
+    quiet_exit_barrier()
     try:
         torchrun(args)
     except ChildFailedError as err:
@@ -73,14 +118,30 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
         ranks = ", ".join(f"rank {r} (exit {err.failures[r].exitcode})" for r in order)
         error(f"training failed on {ranks}")
         return code
+    except (RendezvousError, DistError, TimeoutError) as err:
+        error(rendezvous_failure(cfg, err))
+        return EXIT_USER_ERROR
     return 0
 
 
-def train_here(cfg: RunConfig, ctx: DistContext) -> None:
+def same_everywhere(cfg: RunConfig) -> None:
+    """Every rank (on every node) was started with the same options, this host's own aside."""
+    local = ("parallel.node_rank", "data.workers", "compiler.compile_cache")
+    mine = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in local}
+    difference = first_difference(mine)
+    if difference:
+        raise ConfigError(f"the ranks were started with different options: {difference}")
+
+
+def train_here(cfg: RunConfig, ctx: DistContext, torch_ranks: bool) -> None:
+    """Train in this process; `torch_ranks`: its peers meet through torch.distributed (the
+    backends whose replicas are processes; jax's processes meet through jax.distributed)."""
     from accel.train import Trainer
 
-    init_process_group(ctx)
+    if torch_ranks:
+        init_process_group(ctx)
     try:
+        same_everywhere(cfg)
         Trainer(cfg, ctx, START).train()
     finally:
         destroy_process_group()
@@ -103,16 +164,17 @@ def run(argv: list[str]) -> int:
         exit_with_parent()  # a rank never outlives the launcher that started it
     cfg, module, notes = resolve(cfg, dict(os.environ))
     ctx = module.context(cfg)
-    speaks = ctx.is_main and SPAWNED not in os.environ
+    speaks = ctx.is_main and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
     for note in notes if speaks else ():
         print(f"accel: {note}", flush=True)
     processes = module.SUPPORTS.replicas == "processes"
-    if cfg.parallel.nproc_per_node > 1 and processes and not launched_by_torchrun():
+    several = cfg.parallel.nproc_per_node > 1 or cfg.parallel.nnodes > 1
+    if several and processes and not launched_by_torchrun():
         code = spawn(cfg, argv)
         if code:
             return code
     else:
-        train_here(cfg, ctx)
+        train_here(cfg, ctx, processes)
     if speaks:
         summary = json.loads((cfg.run_dir() / "summary.json").read_text())
         print(

@@ -12,7 +12,7 @@ import torch
 from accel.backends import check_supported
 from accel.backends.base import BackendModule
 from accel.checkpoint import latest_checkpoint, read_meta, resume_mismatches, saved_config
-from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, validate
+from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, data_replicas, validate
 from accel.memory_check import check_memory
 from accel.parallel.mesh import describe_mesh
 from accel.parallel.pipeline import is_vit, stages_per_rank
@@ -36,12 +36,6 @@ def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, st
             return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
         return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
     return "eager", "default, USE_ACCEL unset"
-
-
-def data_replicas(cfg: RunConfig) -> int:
-    """Replicas the data is split over: processes or devices, over the model-parallel size."""
-    par = cfg.parallel
-    return par.nproc_per_node // max(par.tp_head, par.pp)
 
 
 def check_data(cfg: RunConfig) -> int:
@@ -83,7 +77,7 @@ def check_model(cfg: RunConfig) -> None:
 def mesh_notes(cfg: RunConfig) -> list[str]:
     """The model-parallel mesh, and the padding of a split classifier."""
     par = cfg.parallel
-    line = describe_mesh(par.nproc_per_node, par.tp_head, par.pp)
+    line = describe_mesh(par.nnodes * par.nproc_per_node, par.tp_head, par.pp)
     if line is None:
         return []
     if par.pp > 1:
@@ -125,9 +119,9 @@ def resolve_decode_on(cfg: RunConfig, gpu_decoding: bool = True) -> tuple[str, s
         raise ConfigError(f"--data_device gpu: {reason}")
     if reason:
         return "workers", None
-    from data.device_decode import device_decoding_error
+    from data.jpeg_decoders import decoding_error
 
-    refused = device_decoding_error(torch.device("cuda"))
+    refused = decoding_error(torch.device("cuda"))
     if refused:
         return "workers", f"no GPU JPEG decoder ({refused}): JPEGs are decoded by the CPU workers"
     return "cuda", None

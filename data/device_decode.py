@@ -2,7 +2,8 @@
 
 Workers read each file's header and bytes and draw its crop and flip from the sample's key, as
 the CPU path draws them. The main process then decodes the whole batch at once on the device
-(torchvision's `decode_jpeg`, nvJPEG on a CUDA GPU), crops, resizes, flips and mixes there.
+(nvImageCodec on a CUDA GPU, or torchvision's nvJPEG path: jpeg_decoders.py), crops, resizes,
+flips and mixes there.
 What the CPU path promises still holds: the same soft targets for the same batch, randomness keyed
 per sample, unreadable files skipped and counted (or --strict-data), odd colour modes converted.
 Files nvJPEG does not take (not JPEG, CMYK, ...) are decoded by the workers on the CPU, and a file
@@ -18,24 +19,14 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader
-from torchvision.io import ImageReadMode, decode_jpeg, encode_jpeg
 from torchvision.transforms.v2 import functional as tvf
 
 from data.collate import Sample, TrainCollate
 from data.folder import DecodeCrop
+from data.jpeg_decoders import make_decoder
 
 # Colour modes nvJPEG decodes to RGB; other JPEGs (CMYK, YCCK) are decoded by the workers.
 DEVICE_MODES = ("RGB", "L")
-
-
-def device_decoding_error(device: torch.device) -> str | None:
-    """Why JPEGs cannot be decoded on `device` (one line), or None: decodes a small one there."""
-    sample = encode_jpeg(torch.full((3, 16, 16), 128, dtype=torch.uint8))
-    try:
-        decode_jpeg(sample, mode=ImageReadMode.RGB, device=device)
-    except (RuntimeError, OSError) as err:  # no nvJPEG in this build, or it failed to start
-        return str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return None
 
 
 @dataclass
@@ -96,6 +87,7 @@ class DeviceDecoder:
         self.size = size
         self.collate = collate
         self.fallback = fallback
+        self.decoder = make_decoder(device)
 
     def __call__(self, batch: dict) -> dict:
         items, labels = batch["encoded"], batch["labels"].clone()
@@ -120,21 +112,8 @@ class DeviceDecoder:
         return {"images": images, "targets": targets, "skipped": skipped}
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
-        """Decoded RGB images, None for each file the decoder refused (the batch call fails as a
-        whole: then each file is tried alone)."""
-        if not datas:
-            return []
-        try:
-            return list(decode_jpeg(datas, mode=ImageReadMode.RGB, device=self.device))
-        except RuntimeError:
-            pass
-        images: list[torch.Tensor | None] = []
-        for data in datas:
-            try:
-                images.append(decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device))
-            except RuntimeError:
-                images.append(None)
-        return images
+        """Decoded RGB images, None for each file the decoder refused."""
+        return self.decoder(datas)
 
     def crop(self, image: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
         left, top, width, height = item.box

@@ -30,6 +30,8 @@ from PIL import Image  # noqa: E402
 
 from data.prepare import prepare_mock_imagenet  # noqa: E402
 
+pytest_plugins = ["tests.shared_runs"]
+
 NO_XLA = "torch_xla is not installed: its last release (2.9) pairs only with torch 2.9"
 
 

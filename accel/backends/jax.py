@@ -89,10 +89,50 @@ def build(cfg: RunConfig, ctx: DistContext) -> JaxBackend:
     return JaxBackend(cfg, ctx)
 
 
+COORDINATION = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def coordination(cfg: RunConfig) -> tuple[str, int, int] | None:
+    """(coordinator, processes, this process) from --nnodes and --master_addr/--rdzv_endpoint,
+    or from the JAX_* variables; None for one process."""
+    par = cfg.parallel
+    if par.nnodes > 1:
+        address = par.rdzv_endpoint or f"{par.master_addr}:{par.master_port}"
+        return address, par.nnodes, par.node_rank
+    found = {name: os.environ.get(name) for name in COORDINATION}
+    if not any(found.values()):
+        return None
+    if not all(found.values()):
+        missing = ", ".join(n for n, v in found.items() if not v)
+        raise ConfigError(
+            f"multi-process jax needs all of {', '.join(COORDINATION)}: {missing} unset"
+        )
+    return (
+        found["JAX_COORDINATOR_ADDRESS"],
+        int(found["JAX_NUM_PROCESSES"]),
+        int(found["JAX_PROCESS_ID"]),
+    )
+
+
 def context(cfg: RunConfig) -> DistContext:
-    """One process drives its local devices; several hosts join through jax.distributed."""
-    if os.environ.get("JAX_COORDINATOR_ADDRESS") and not jax.distributed.is_initialized():
-        jax.distributed.initialize()
+    """One process drives its local devices; several processes (hosts) join through
+    jax.distributed into one mesh, and each feeds its own shard of the data."""
+    joined = coordination(cfg)
+    if joined and not jax.distributed.is_initialized():
+        address, processes, process = joined
+        # Collectives between CPU processes go through gloo (JAX has none of its own there).
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.distributed.initialize(
+                address, processes, process, initialization_timeout=cfg.parallel.rdzv_timeout
+            )
+        except Exception as err:  # JAX raises XlaRuntimeError / RuntimeError subclasses here
+            raise ConfigError(
+                f"jax process {process} of {processes} could not join the coordinator at "
+                f"{address} within {cfg.parallel.rdzv_timeout} s ({str(err).splitlines()[0]})"
+            ) from None
+        if jax.process_count() != processes:
+            raise ConfigError(f"{processes} jax processes asked for, {jax.process_count()} joined")
     return DistContext(jax.process_index(), 0, jax.process_count())
 
 
@@ -128,8 +168,16 @@ def to_jax(tensor: torch.Tensor, dtype: jnp.dtype | None = None) -> jax.Array:
     return array if dtype is None else cast_floating(array, dtype)
 
 
+def host_value(array: jax.Array) -> np.ndarray:
+    """A replicated array's value on this host (across processes, the local copy: JAX will
+    not fetch arrays that span other hosts' devices)."""
+    if array.is_fully_addressable:
+        return np.asarray(jax.device_get(array))
+    return np.asarray(array.addressable_data(0))
+
+
 def to_torch(array: jax.Array) -> torch.Tensor:
-    host = np.asarray(jax.device_get(array))
+    host = host_value(array)
     if host.dtype == jnp.bfloat16:
         return torch.from_numpy(host.astype(np.float32)).to(torch.bfloat16)
     return torch.from_numpy(host.copy())
@@ -478,7 +526,7 @@ class JaxBackend:
             ) from None
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
-        rows = jax.device_get(handles)
+        rows = [host_value(handle) for handle in handles]
         return [StepResult(float(loss), bool(applied > 0)) for loss, applied in rows]
 
     # --- evaluation ---------------------------------------------------------------------------
@@ -491,12 +539,9 @@ class JaxBackend:
         sums = jnp.zeros(4, jnp.float32)
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
-                arrays = [
-                    jax.device_put(batch[k].numpy(), self.batch_sharding)
-                    for k in ("images", "labels", "mask")
-                ]
+                arrays = self._put(tuple(batch[k] for k in ("images", "labels", "mask")))
                 sums = sums + self.eval_fn(self.params, self.buffers, *arrays)
-        return summarise([float(x) for x in jax.device_get(sums)])
+        return summarise([float(x) for x in host_value(sums)])
 
     # --- state: by the torch model's parameter names, as the torch backends keep it --------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -506,7 +551,7 @@ class JaxBackend:
             k: to_torch(values[k]).to(ref.dtype) for k, ref in self.module.state_dict().items()
         }
         adam = adam_state(self.opt_state)
-        step = torch.tensor(float(jax.device_get(adam.count)))
+        step = torch.tensor(float(host_value(adam.count)))
         optim = {
             n: {
                 "step": step.clone(),
@@ -577,6 +622,10 @@ class JaxBackend:
 
     def peak_memory_bytes(self) -> int | None:
         """The device allocator's high-water mark (None where the platform keeps none: CPU)."""
-        stats = [d.memory_stats() for d in self.mesh.devices.flat]
+        stats = [
+            d.memory_stats()
+            for d in self.mesh.devices.flat
+            if d.process_index == jax.process_index()
+        ]
         peaks = [s["peak_bytes_in_use"] for s in stats if s and "peak_bytes_in_use" in s]
         return max(peaks) if peaks else None

@@ -1,13 +1,20 @@
 """torch_xla backend: the torch model traced into lazy tensors and compiled by XLA (PJRT).
 
-One graph per optimizer step (cut by torch_xla.sync), uint8 batches through MpDeviceLoader,
-gradients all-reduced explicitly with scale 1/world_size before the optimizer step, XLA autocast
-for AMP, and compile accounting from torch_xla's metrics.
+One graph per optimizer step (cut by torch_xla.sync), uint8 batches through MpDeviceLoader, XLA
+autocast for AMP, and compile accounting from torch_xla's metrics.
 
-On PJRT CPU, torch_xla runs several devices as threads of one process, and their in-process
-all-reduce does not reliably meet (two threads compiling one graph get executables with different
-collective ids, and a sync can wait on an all-reduce the other thread has not issued), so more
-than one CPU replica is refused rather than left to hang.
+`--nproc_per_node N` trains on an N-device SPMD mesh from this one process (torch_xla's SPMD
+mode, as it scales on TPU pods): MpDeviceLoader hands over each global batch split along the
+mesh's `data` axis, the weights are replicated, and the step's gradient all-reduce is the one
+XLA's SPMD partitioner inserts into the step graph (the loss is the global batch's mean, so the
+partitioner turns the gradient into per-device sums and an all-reduce over `data`). `--shard
+full` is torch_xla's FSDPv2 on the same mesh (axis `fsdp`): weights and optimizer state split on
+their first axis. On PJRT CPU the mesh's devices are CPU_NUM_DEVICES.
+
+Processes started one a chip by torchrun on a TPU host (torch_xla's multi-process replicas) take
+the explicit path: gradients all-reduced with xm.all_reduce, scale 1/world size, before clipping
+and the update. PJRT CPU's multi-process collectives do not reliably meet, so that path is not
+tested here.
 
 The XLA runtime must start before the first autograd backward of the process (the autograd engine
 sizes its per-device queues then): run eager and xla in separate processes, or xla first.
@@ -23,6 +30,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from accel.amp import amp_policy
@@ -30,16 +38,21 @@ from accel.backends.base import BackendUnavailable, Batch, RecompileError, StepR
 from accel.backends.quiet import quiet_imports
 from accel.backends.torch_core import TorchCore, local_norm
 from accel.config import ConfigError, RunConfig
-from accel.distributed import DistContext
+from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.losses import eval_sums, soft_target_loss, summarise
+from accel.parallel import effective_shard
 from models.factory import ModelConfig, create_model
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
 SUPPORTS = Supports(
+    shard=("none", "full"),
     replicas="devices",
-    cpu_replicas=False,
     kernel_opt="torch_xla's syncfree AdamW (O0-O2: its kernel needs fp32 weights)",
 )
+
+# XLA's C++ warnings (a partitioner's deprecation notice at every mesh run) say nothing about the
+# run; a user's own setting wins.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
 try:
     with quiet_imports():
@@ -47,6 +60,7 @@ try:
         import torch_xla.core.xla_model as xm
         import torch_xla.debug.metrics as met
         import torch_xla.distributed.parallel_loader as pl
+        import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 except ImportError:  # reported by require() as one line with the install command
     torch_xla = None
@@ -78,12 +92,30 @@ def runs_on_cpu() -> bool:
 
 
 def context(cfg: RunConfig) -> DistContext:
-    if cfg.parallel.nproc_per_node > 1 and runs_on_cpu():
-        raise ConfigError(
-            "--backend xla runs one replica on PJRT CPU (its in-process all-reduce between "
-            "threads is unreliable); use --nproc_per_node 1, or eager/compile for CPU DDP"
-        )
+    """One process: over a device mesh (SPMD) when --nproc_per_node > 1; one of several
+    processes when torchrun started it (TPU hosts)."""
+    if launched_by_torchrun():
+        return env_context()
+    devices = cfg.parallel.nproc_per_node
+    if devices > 1:
+        start_spmd(devices)
     return DistContext()
+
+
+def start_spmd(devices: int) -> None:
+    """SPMD mode over `devices` devices, before the runtime starts (PJRT CPU: CPU_NUM_DEVICES,
+    set here where the user did not)."""
+    if runs_on_cpu():
+        have = os.environ.setdefault("CPU_NUM_DEVICES", str(devices))
+        if int(have) < devices:
+            raise ConfigError(
+                f"--nproc_per_node {devices} needs {devices} XLA CPU devices, "
+                f"CPU_NUM_DEVICES is {have}"
+            )
+    xr.use_spmd()
+    found = xr.global_runtime_device_count()
+    if found < devices:
+        raise ConfigError(f"--nproc_per_node {devices}: the XLA runtime sees {found} devices")
 
 
 def init_compile_cache(path: Path, readonly: bool) -> bool:
@@ -157,9 +189,8 @@ def syncfree_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.
 
 class XlaBackend:
     name = "xla"
-    local_replicas = 1
     pin_memory = False  # MpDeviceLoader stages host batches itself
-    sharded_checkpoint = False
+    sharded_checkpoint = False  # one process holds every array: one file
 
     def __init__(self, cfg: RunConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
@@ -167,6 +198,14 @@ class XlaBackend:
         self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
         self.device = torch_xla.device()
         self.data_parallel = (ctx.rank, ctx.world_size)
+        # A device mesh driven by this process: one host batch a step, split along its axis.
+        self.spmd = xr.is_spmd() and not ctx.distributed
+        self.local_replicas = cfg.parallel.nproc_per_node if self.spmd else 1
+        self.shard = effective_shard(cfg.parallel.shard, self.local_replicas)
+        self.axis = "fsdp" if self.shard == "full" else "data"
+        if self.spmd:
+            n = self.local_replicas
+            self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
         # syncfree AdamW's fused kernel takes fp32 parameters only (bf16 ones at O3 fail XLA's
         # verifier or give NaN), so O3 keeps torch's AdamW.
         self.syncfree = cfg.kernel_opt and self.amp.level != "O3"
@@ -184,9 +223,15 @@ class XlaBackend:
 
     def setup(self, model_cfg: ModelConfig) -> None:
         model = create_model(model_cfg, seed=self.cfg.seed)
-        self.module = model.to(self.device, dtype=self.amp.param_dtype)
+        self.module = self.forward = model.to(self.device, dtype=self.amp.param_dtype)
         if self.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(self.module)
+        if self.shard == "full":  # FSDPv2: the weights split on their first axis over `fsdp`
+            from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+                SpmdFullyShardedDataParallel,
+            )
+
+            self.forward = SpmdFullyShardedDataParallel(self.module, mesh=self.mesh)
         # Device random draws (dropout, stochastic depth) differ between replicas.
         xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
         head = self.module.classifier_parameters()
@@ -203,15 +248,26 @@ class XlaBackend:
         return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=True)
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        """On a mesh, each global batch reaches the devices split along the mesh's axis."""
         compiler = self.cfg.compiler
+        keyed = ({"images": i, "targets": t} for i, t in record_shapes(batches, self.input_shapes))
         loader = pl.MpDeviceLoader(
-            record_shapes(batches, self.input_shapes),
+            keyed,
             self.device,
             loader_prefetch_size=compiler.loader_prefetch,
             device_prefetch_size=compiler.device_prefetch,
             batches_per_execution=self.cfg.optim.grad_accum,
+            input_sharding=self.batch_sharding(),
         )
-        return iter(loader)
+        return ((b["images"], b["targets"]) for b in loader)
+
+    def batch_sharding(self) -> dict | None:
+        if not self.spmd:
+            return None
+        return {
+            "images": xs.ShardingSpec(self.mesh, (self.axis, None, None, None)),
+            "targets": xs.ShardingSpec(self.mesh, (self.axis, None)),
+        }
 
     # --- the step -----------------------------------------------------------------------------
     def autocast(self):
@@ -228,7 +284,7 @@ class XlaBackend:
         total = torch.zeros((), device=self.device)
         for images, targets in micro_batches:
             with self.autocast():
-                loss = soft_target_loss(self.module(images), targets) / len(micro_batches)
+                loss = soft_target_loss(self.forward(images), targets) / len(micro_batches)
             self.core.backward(loss)
             total += loss.detach()
         self.reduce_gradients()
@@ -241,6 +297,8 @@ class XlaBackend:
         return local_norm([p.grad for p in params if p.grad is not None])
 
     def reduce_gradients(self) -> None:
+        """Processes: the explicit all-reduce. A mesh (one process, global tensors): nothing
+        here, the SPMD partitioner reduces the gradients inside the step graph."""
         if not self.ctx.distributed:
             return
         if self.cfg.compiler.grad_reduce == "optimizer_step":  # what xm.optimizer_step does
@@ -271,8 +329,10 @@ class XlaBackend:
         sums = torch.zeros(4, device=self.device)
         for batch in batches:
             images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
+            if self.spmd:
+                xs.mark_sharding(images, self.mesh, (self.axis, None, None, None))
             with self.autocast():
-                sums += eval_sums(self.module(images), labels, mask)
+                sums += eval_sums(self.forward(images), labels, mask)
             self.step_done()
         self.module.train()
         sums = self.all_reduce(sums)
@@ -285,6 +345,10 @@ class XlaBackend:
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.core.load_named_state(state)
+        if self.shard == "full":  # a copy into a parameter drops its sharding: FSDPv2's again
+            for param in self.module.parameters():
+                if param.dim():
+                    xs.mark_sharding(param, self.mesh, (self.axis,) + (None,) * (param.dim() - 1))
         torch_xla.sync()
 
     def rng_state(self) -> dict[str, torch.Tensor]:
@@ -344,4 +408,6 @@ class XlaBackend:
             "fallback_ops": fallback_ops(),
             "input_shapes": sorted(str(s[0]) for s in self.input_shapes),
             "state_bytes": self.core.measured,
+            "devices": self.local_replicas,
+            "shard": self.shard,
         }

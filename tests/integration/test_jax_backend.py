@@ -4,11 +4,11 @@ import math
 
 import pytest
 import torch
-import torchax
 
 import accel.backends.jax as jax_backend
 from accel.backends.base import BackendUnavailable
 from accel.backends.eager import EagerBackend
+from accel.backends.jax import torchax  # imported through the compatibility shim
 from accel.checkpoint import latest_checkpoint, to_cpu
 from accel.distributed import DistContext
 from accel.train import Trainer

@@ -3,6 +3,7 @@
 import re
 
 import nbformat
+import pytest
 from nbclient import NotebookClient
 
 from tests.helpers import ROOT
@@ -21,6 +22,7 @@ def execute(name: str, workdir) -> str:
     return "\n".join(texts)
 
 
+@pytest.mark.xla  # USE_ACCEL=1 on a CPU is torch_xla
 def test_quickstart_trains_both_paths_and_plots(tmp_path):
     text = execute("01_quickstart", tmp_path)
     assert "accel: backend xla (USE_ACCEL=1" in text
@@ -28,6 +30,7 @@ def test_quickstart_trains_both_paths_and_plots(tmp_path):
     assert (tmp_path / "runs/quickstart/report/throughput.png").stat().st_size > 0
 
 
+@pytest.mark.xla
 def test_swin_walkthrough_reads_the_speedup(tmp_path):
     text = execute("02_swin_accel_vs_eager", tmp_path)
     assert "| swin_micro | eager |" in text and "| swin_micro | xla |" in text
@@ -36,6 +39,7 @@ def test_swin_walkthrough_reads_the_speedup(tmp_path):
         assert (tmp_path / "runs/swin/report" / png).stat().st_size > 0
 
 
+@pytest.mark.xla
 def test_recompile_walkthrough_shows_the_problem_and_the_fix(tmp_path):
     text = execute("03_xla_recompiles", tmp_path)
     ragged = int(re.search(r"ragged: compiles_after_warmup = (\d+)", text).group(1))

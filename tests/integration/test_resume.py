@@ -131,7 +131,7 @@ def test_resuming_with_an_incompatible_config_names_the_keys(tmp_path):
     errors = [line for line in result.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "Traceback" not in result.stderr
     assert "model.name (checkpoint vit_micro, now swin_micro)" in errors[0]
-    assert "batch_size (checkpoint 8, now 4)" in errors[0]
+    assert "global_batch (checkpoint 8, now 4)" in errors[0]
 
 
 def test_two_ranks_resume_their_own_random_streams(tmp_path):

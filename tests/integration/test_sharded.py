@@ -21,13 +21,11 @@ from models.factory import ModelConfig, create_model
 from tests import nan_model
 from tests.helpers import ROOT, checkpoint_tensors, cli_command, read_summary, run_cli, train_cli
 from tests.integration.test_nan_policy import _config as _nan_config
+from tests.shared_runs import SHARD_JOB
 
 pytestmark = pytest.mark.slow
 
-# Two micro-steps a step (FSDP's reduce-scatter skipped on the first) and clipping on (the
-# global norm over the shards): both would change the losses if done per shard.
-JOB = ("--model", "vit_micro", "--steps", "6", "--batch_size", "8", "--grad_accum", "2")
-JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--clip_grad", "0.5")
+JOB = SHARD_JOB
 
 
 def _run(output: Path, *extra: str, env: dict | None = None) -> dict:
@@ -36,15 +34,6 @@ def _run(output: Path, *extra: str, env: dict | None = None) -> dict:
 
 def _state_bytes(summary: dict) -> int:
     return sum(summary["state_bytes"].values())
-
-
-@pytest.fixture(scope="module")
-def eager_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
-    runs = {}
-    for shard in ("none", "full"):
-        output = tmp_path_factory.mktemp(f"eager-{shard}")
-        runs[shard] = output, _run(output, "--nproc_per_node", "2", "--shard", shard)
-    return runs
 
 
 def test_fsdp_trains_the_ddp_losses_with_half_the_state_per_rank(eager_runs):
@@ -77,7 +66,8 @@ def test_resuming_a_sharded_checkpoint_into_another_job_names_the_keys(eager_run
     last = output / "vit_micro/eager/r/checkpoints/step_00000006.dcp"
     result = run_cli(*JOB, "--output", str(tmp_path), "--batch_size", "4", "--resume", str(last))
     assert result.returncode == 2
-    assert "cannot resume" in result.stderr and "batch_size (checkpoint 8, now 4)" in result.stderr
+    assert "cannot resume" in result.stderr
+    assert "global_batch (checkpoint 32, now 8)" in result.stderr
 
 
 def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tmp_path):

@@ -16,32 +16,20 @@ from accel.backends.torch_core import local_bytes
 from accel.parallel import tp_head
 from accel.parallel.mesh import MeshLayout
 from tests.helpers import checkpoint_tensors, train_cli
+from tests.shared_runs import TP_JOB
 
 pytestmark = pytest.mark.slow
 
-# 11 classes: split over 2 ranks, the classifier is padded to 12 and the padded class masked.
-JOB = ("--model", "vit_micro", "--num_classes", "11", "--steps", "6", "--batch_size", "8")
-JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--mixup", "0.8")
-JOB += ("--drop_path", "0.3")  # the ranks of a tp group must draw the same masks
+JOB = TP_JOB
 
 
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
     return train_cli(output, *JOB, *extra)
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
-    jobs = {
-        "single": (),
-        "tp2": ("--nproc_per_node", "2", "--tp_head", "2"),
-        "ddp2": ("--nproc_per_node", "2", "--batch_size", "8"),
-        "dp2xtp2": ("--nproc_per_node", "4", "--tp_head", "2"),
-    }
-    out = {}
-    for name, extra in jobs.items():
-        output = tmp_path_factory.mktemp(name)
-        out[name] = (output, *_run(output, *extra))
-    return out
+@pytest.fixture
+def runs(tp_runs):
+    return tp_runs
 
 
 def test_tp_head_trains_the_single_process_losses(runs):
@@ -85,9 +73,9 @@ def test_a_split_head_checkpoint_reshards_into_fsdp_and_back(runs, tmp_path):
     """tp 2 -> FSDP over 2 ranks -> tp 2: every layout loads every other's checkpoint."""
     output, split, _ = runs["tp2"]
     last = output / "vit_micro" / "eager" / "r" / "checkpoints" / "step_00000006.dcp"
-    sharded, _ = _run(
-        tmp_path / "fsdp", "--nproc_per_node", "2", "--shard", "full", "--resume", str(last)
-    )
+    # Two data-parallel ranks of 4 images: the global batch of the split head's run.
+    fsdp = ("--nproc_per_node", "2", "--shard", "full", "--batch_size", "4")
+    sharded, _ = _run(tmp_path / "fsdp", *fsdp, "--resume", str(last))
     np.testing.assert_allclose(sharded["eval_loss"], split["eval_loss"], rtol=1e-5)
     back = tmp_path / "fsdp" / "vit_micro" / "eager" / "r" / "checkpoints" / "step_00000006.dcp"
     again, _ = _run(

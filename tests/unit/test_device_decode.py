@@ -11,8 +11,9 @@ from accel.config import ConfigError, replace_path
 from accel.resolve import resolve_decode_on
 from data.collate import TrainCollate
 from data.config import DataConfig, MixupConfig
-from data.device_decode import DeviceDecodedLoader, device_decoding_error
+from data.device_decode import DeviceDecodedLoader
 from data.folder import BadImageError
+from data.jpeg_decoders import decoding_error as device_decoding_error
 from data.loaders import build_train_loader
 from data.sampling import SampleKey
 from tests.helpers import micro_config

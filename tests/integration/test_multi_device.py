@@ -1,0 +1,209 @@
+"""Beyond one process, on every backend: xla on an SPMD device mesh (CPU_NUM_DEVICES), jax over
+several processes (a coordinator on 127.0.0.1, gloo collectives), and eager on two localhost
+"nodes" (two launchers, --nnodes 2): each trains the losses of the one-process run on the same
+global batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pytest
+
+from tests.helpers import ROOT, cli_command, read_summary, run_cli, train_cli
+from tests.shared_runs import SHARD_JOB, TP_JOB
+
+pytestmark = pytest.mark.slow
+
+# A global batch of 8 however it is split; six steps, a checkpoint every two.
+JOB = ("--steps", "6", "--workers", "0", "--log_every", "1", "--save_every", "2")
+JOB += ("--synthetic_length", "64", "--num_classes", "10")
+
+
+def _summary(output: Path, *extra: str, env: dict | None = None) -> dict:
+    return train_cli(output, *JOB, *extra, env=env)[0]
+
+
+def _checkpoint(output: Path, backend: str, step: int, kind: str = "pt") -> Path:
+    return output / "vit_micro" / backend / "r" / "checkpoints" / f"step_{step:08d}.{kind}"
+
+
+# --- xla: one process, a mesh of CPU devices (SPMD) ---------------------------------------------
+@pytest.fixture(scope="module")
+def xla_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
+    jobs = {
+        "1": ("--batch_size", "8"),
+        "2": ("--batch_size", "4", "--nproc_per_node", "2"),
+        "4": ("--batch_size", "2", "--nproc_per_node", "4"),
+        "2-full": ("--batch_size", "4", "--nproc_per_node", "2", "--shard", "full"),
+    }
+    runs = {}
+    for name, extra in jobs.items():
+        output = tmp_path_factory.mktemp(f"xla{name}")
+        runs[name] = output, _summary(output, "--backend", "xla", *extra)
+    return runs
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("devices", ["2", "4", "2-full"])
+def test_xla_on_a_device_mesh_trains_the_one_device_losses(xla_runs, devices):
+    _, one = xla_runs["1"]
+    _, mesh = xla_runs[devices]
+    np.testing.assert_allclose(mesh["losses"], one["losses"], rtol=1e-5)
+    np.testing.assert_allclose(mesh["eval_loss"], one["eval_loss"], rtol=1e-5)
+    assert mesh["devices"] == int(devices[0]) and mesh["world_size"] == int(devices[0])
+    assert mesh["global_batch_size"] == one["global_batch_size"] == 8
+    assert mesh["compiles_after_warmup"] == 0
+    assert mesh["shard"] == ("full" if devices.endswith("full") else "none")
+
+
+@pytest.mark.xla
+def test_xla_on_a_mesh_resumes_exactly_and_its_checkpoint_loads_into_eager(xla_runs, tmp_path):
+    output, sharded = xla_runs["2-full"]
+    mesh = ("--backend", "xla", "--batch_size", "4", "--nproc_per_node", "2", "--shard", "full")
+    resumed = _summary(tmp_path / "r", *mesh, "--resume", str(_checkpoint(output, "xla", 2)))
+    np.testing.assert_allclose(resumed["losses"], sharded["losses"], rtol=1e-6)
+    eager = _summary(
+        tmp_path / "e", "--batch_size", "8", "--resume", str(_checkpoint(output, "xla", 6))
+    )
+    np.testing.assert_allclose(eager["eval_loss"], sharded["eval_loss"], rtol=1e-5)
+
+
+@pytest.mark.xla
+def test_a_mesh_larger_than_cpu_num_devices_is_one_line(tmp_path):
+    job = ("--backend", "xla", "--nproc_per_node", "4", "--batch_size", "2")
+    job += ("--output", str(tmp_path))
+    result = run_cli(*JOB, *job, env={"CPU_NUM_DEVICES": "2"}, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert "CPU_NUM_DEVICES is 2" in lines[0] and "--nproc_per_node 4" in lines[0]
+
+
+# --- several launchers on this host, as several nodes -------------------------------------------
+def _node(
+    output: Path, port: int, rank: int, *extra: str, nodes: int = 2, base: tuple = JOB
+) -> subprocess.Popen:
+    """The launcher of node `rank`, on 127.0.0.1 (a static rendezvous at rank 0's port); its
+    stderr goes to a file beside the runs (a pipe could fill and stall it)."""
+    args = (*base, *extra, "--output", str(output), "--run_name", "r", "--nnodes", str(nodes))
+    args += ("--master_addr", "127.0.0.1", "--master_port", str(port), "--node_rank", str(rank))
+    output.mkdir(parents=True, exist_ok=True)
+    log = open(output / f"node{rank}.err", "w")  # noqa: SIM115 (closed in _finish)
+    proc = subprocess.Popen(
+        cli_command(*args),
+        cwd=ROOT,
+        env=dict(os.environ),
+        stdout=subprocess.DEVNULL,
+        stderr=log,
+        text=True,
+        start_new_session=True,
+    )
+    proc.log = log
+    return proc
+
+
+def _nodes(
+    output: Path, port: int, *extra: str, nodes: int = 2, base: tuple = JOB
+) -> list[subprocess.Popen]:
+    return [_node(output, port, rank, *extra, nodes=nodes, base=base) for rank in range(nodes)]
+
+
+def _finish(procs: list[subprocess.Popen], timeout: int = 300) -> list[tuple[int, str]]:
+    """(exit code, stderr) of each launcher."""
+    out = []
+    for proc in procs:
+        code = proc.wait(timeout=timeout)
+        proc.log.close()
+        out.append((code, Path(proc.log.name).read_text()))
+    return out
+
+
+@pytest.fixture(scope="module")
+def node_runs(tmp_path_factory, eager_runs, tp_runs) -> dict[str, tuple[dict, dict]]:
+    """(two nodes of one process, one node of two processes) for each layout, the latter the
+    shared runs of test_sharded.py and test_tensor_parallel.py."""
+    layouts = {
+        "ddp": (SHARD_JOB, eager_runs["none"][1]),
+        "fsdp": ((*SHARD_JOB, "--shard", "full"), eager_runs["full"][1]),
+        "tp": ((*TP_JOB, "--tp_head", "2"), tp_runs["tp2"][1]),
+    }
+    runs = {}
+    for i, (name, (job, one_node)) in enumerate(layouts.items()):
+        nodes = tmp_path_factory.mktemp(f"nodes-{name}")
+        finished = _finish(_nodes(nodes, 29631 + i, *job, base=()))
+        assert all(code == 0 for code, _ in finished), finished[0][1][-2000:]
+        runs[name] = read_summary(nodes), one_node
+    return runs
+
+
+@pytest.mark.parametrize("layout", ["ddp", "fsdp", "tp"])
+def test_two_nodes_train_the_losses_of_one_node_with_two_processes(node_runs, layout):
+    two_nodes, one_node = node_runs[layout]
+    assert two_nodes["world_size"] == one_node["world_size"] == 2
+    np.testing.assert_allclose(two_nodes["losses"], one_node["losses"], rtol=1e-5)
+
+
+def test_killing_one_nodes_launcher_ends_the_other_naming_the_rank(tmp_path):
+    procs = _nodes(tmp_path, 29641, "--steps", "100000", "--batch_size", "8", "--save_every", "0")
+    deadline = time.monotonic() + 120
+    while not list(tmp_path.glob("**/metrics.rank1.jsonl")):
+        assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: its launcher and its rank
+    killed = time.monotonic()
+    code, stderr = _finish(procs[:1], timeout=90)[0]
+    assert time.monotonic() - killed < 60
+    assert code != 0 and "training failed on rank 0" in stderr
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if str(tmp_path) in " ".join(p.info["cmdline"] or [])
+    ]
+
+
+def test_a_node_that_never_arrives_is_one_line_naming_the_endpoint(tmp_path):
+    node = _node(tmp_path, 29643, 0, "--batch_size", "8", "--rdzv_timeout", "5")
+    code, stderr = _finish([node], timeout=120)[0]
+    lines = [line for line in stderr.splitlines() if "error" in line]
+    assert code == 2 and len(lines) == 1, stderr[-2000:]
+    assert "127.0.0.1:29643" in lines[0] and "1/2" in lines[0]
+
+
+def test_nodes_started_with_different_options_are_refused_naming_the_key(tmp_path):
+    procs = [_node(tmp_path, 29645, r, "--batch_size", "8", "--seed", str(r)) for r in range(2)]
+    finished = _finish(procs, timeout=180)
+    assert all(code != 0 for code, _ in finished)
+    assert any("different options: seed (rank 0: 0, rank 1: 1)" in err for _, err in finished)
+
+
+# --- jax: several processes, one mesh -----------------------------------------------------------
+def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_devices(tmp_path):
+    jax = ("--backend", "jax", "--batch_size", "4")
+    finished = _finish(_nodes(tmp_path / "two", 29651, *jax))
+    assert all(code == 0 for code, _ in finished), finished[0][1][-2000:]
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    one = _summary(tmp_path / "one", *jax, "--nproc_per_node", "2", env=devices)
+    two = read_summary(tmp_path / "two")
+    assert two["world_size"] == one["world_size"] == 2 and two["global_batch_size"] == 8
+    np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
+    np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
+    # Written once, by process 0; it resumes at the other layout.
+    saved = sorted((tmp_path / "two" / "vit_micro" / "jax" / "r" / "checkpoints").iterdir())
+    assert [p.name for p in saved] == [f"step_{s:08d}.pt" for s in (2, 4, 6)]
+    resume = ("--resume", str(saved[0]))
+    again = _summary(tmp_path / "again", *jax, "--nproc_per_node", "2", *resume, env=devices)
+    np.testing.assert_allclose(again["losses"], two["losses"], rtol=1e-6)
+
+
+def test_jax_coordination_variables_half_set_are_one_line(tmp_path):
+    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:29653", "JAX_NUM_PROCESSES": "2"}
+    result = run_cli(*JOB, "--backend", "jax", "--output", str(tmp_path), env=env, timeout=120)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
+    assert "JAX_PROCESS_ID unset" in lines[0]

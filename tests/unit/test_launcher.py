@@ -1,0 +1,30 @@
+"""The launcher's exit code for a multi-process job: the code of the first rank that failed on
+its own, never one the launcher caused by stopping the others (torch >= 2.15's elastic agent
+reports the stopped peers too, with the signal as a negative code)."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from accel.launch_single_task import job_exit_code
+
+
+def _failures(*ranks: tuple[int, int]) -> dict:
+    """{rank: failure} from (exit code, time of failure) pairs."""
+    return {r: SimpleNamespace(exitcode=c, timestamp=t) for r, (c, t) in enumerate(ranks)}
+
+
+@pytest.mark.parametrize(
+    ("ranks", "code", "first"),
+    [
+        (((2, 5), (-15, 6)), 2, 0),  # a rank stops on bad input; the launcher stops its peer
+        (((-15, 6), (2, 5)), 2, 1),
+        (((1, 4), (2, 5)), 2, 1),  # a peer's broken collective (1) failed earlier
+        (((4, 3), (2, 5)), 4, 0),  # two of ours: the first to fail
+        (((-9, 3), (-15, 4)), 1, 0),  # killed from outside: no code of ours
+        (((1, 3), (1, 3)), 1, 0),
+    ],
+)
+def test_the_first_rank_to_fail_on_its_own_decides(ranks, code, first):
+    got, order = job_exit_code(_failures(*ranks))
+    assert got == code and order[0] == first
