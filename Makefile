@@ -9,7 +9,7 @@ LATEST := .venv-latest
 # Python 3.12 for test-latest: on PATH, or pyenv's where its shim does not select it.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 
-.PHONY: setup demo test test-latest lint bench plot clean
+.PHONY: setup demo test test-latest lint bench plot notebooks convergence gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ demo: setup
 		--workers 2 --output $(DEMO)/runs
 
 test: setup
-	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 $(BIN)/pytest -q tests
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 $(BIN)/pytest -q --durations=25 tests
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last
 # release pairs only with torch 2.9): the suite with the xla tests skipped. Not part of CI.
@@ -41,7 +41,7 @@ $(LATEST)/.installed: pyproject.toml
 test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -c "import torch, torchvision, jax; print('torch', torch.__version__, \
 		'torchvision', torchvision.__version__, 'jax', jax.__version__)"
-	JAX_PLATFORMS=cpu $(LATEST)/bin/pytest -q tests
+	JAX_PLATFORMS=cpu $(LATEST)/bin/pytest -q --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check .
@@ -51,14 +51,31 @@ bench: setup
 	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro \
 		--backends eager,compile,jax --launches 2 --fed --tag cpu-micro-all-backends
 
-# The README's comparison plot: the same job on each backend, parsed by accel-report.
+# The README's comparison: the same jobs on each backend, twice each, reported by accel-report
+# into bench/results/plots and into the README's report block (table, picture, provenance).
 plot: setup
 	rm -rf $(DEMO)/plot-runs
-	for model in vit_micro swin_micro; do \
-		PJRT_DEVICE=CPU $(BIN)/launch_single_task --compare eager,xla,jax --model $$model \
-			--steps 40 --batch_size 32 --workers 2 --output $(DEMO)/plot-runs || exit 1; \
-	done
-	$(BIN)/accel-report $(DEMO)/plot-runs --out bench/results/plots
+	for model in vit_micro swin_micro; do for repeat in 1 2; do \
+		PJRT_DEVICE=CPU $(BIN)/launch_single_task --compare eager,compile,xla,jax \
+			--model $$model --steps 40 --batch_size 32 --workers 2 \
+			--output $(DEMO)/plot-runs || exit 1; \
+	done; done
+	$(BIN)/accel-report $(DEMO)/plot-runs --out bench/results/plots --readme README.md
+
+# The walkthroughs: JupyterLab into .venv, and the notebooks executed in place (their outputs are
+# committed, so they read without running). Open them with .venv/bin/jupyter lab notebooks/
+notebooks: setup
+	$(BIN)/python -m pip install -q -e ".[notebooks]"
+	cd notebooks && PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ../$(BIN)/jupyter nbconvert --to notebook \
+		--execute --inplace 01_quickstart.ipynb 02_swin_accel_vs_eager.ipynb 03_xla_recompiles.ipynb
+	@echo "open them with: $(BIN)/jupyter lab notebooks/"
+
+convergence: setup
+	PJRT_DEVICE=CPU $(BIN)/python bench/convergence.py
+
+# The GPU check's smoke run on this machine's CPU; on a GPU machine: bench/gpu_check.py --stage ...
+gpu-check: setup
+	$(BIN)/python bench/gpu_check.py --smoke
 
 clean:
 	rm -rf $(VENV) $(LATEST) $(DEMO) runs

@@ -163,7 +163,7 @@ def fill_from_whole(template: dict[str, Any], whole: dict[str, Any], path: Path)
     """Copy a one-file checkpoint's whole tensors into `template` (this rank's tensors: plain,
     or DTensor views of its part), naming the first keys or shapes that do not fit."""
     have, want = flatten(whole), flatten(template)
-    missing = [k for k in want if k not in have and not k.startswith("scaler.")]
+    missing = [k for k in want if k not in have]
     if missing:
         raise CheckpointError(f"{path} does not fit this model: missing {', '.join(missing[:3])}")
     with torch.no_grad():
@@ -189,10 +189,9 @@ def load_sharded(path: Path, template: dict[str, Any]) -> None:
     from accel.dcp_reader import SafeReader, TensorsOnly, UnsafeCheckpoint
 
     want, have = set(flatten(template)), sharded_keys(path)
-    missing = sorted(k for k in want - have if not k.startswith("scaler."))
+    missing = sorted(want - have)
     if missing:
         raise CheckpointError(f"{path} does not fit this model: missing {', '.join(missing[:3])}")
-    template = {k: v for k, v in template.items() if k != "scaler" or "scaler.scale" in have}
     with warnings.catch_warnings():  # one process, no process group: DCP says it loads whole
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         try:
@@ -209,12 +208,22 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[-1] if text else type(err).__name__
 
 
-def load_state(path: Path, template: dict[str, Any]) -> None:
-    """Fill `template` (a backend's checkpoint_state) from a file or folder checkpoint."""
-    if Path(path).is_dir():
+# Parts of a backend's state a checkpoint may lack: the fp16 loss scaler's, and the EMA (a
+# checkpoint without one starts the EMA from its weights).
+OPTIONAL = ("scaler", "ema")
+
+
+def load_state(path: Path, template: dict[str, Any]) -> dict[str, Any]:
+    """Fill `template` (a backend's checkpoint_state) from a file or folder checkpoint; returns
+    it, less the optional parts the checkpoint does not hold."""
+    whole = None if Path(path).is_dir() else _load(path)["state"]
+    held = {k.split(".", 1)[0] for k in (sharded_keys(path) if whole is None else flatten(whole))}
+    template = {k: v for k, v in template.items() if k not in OPTIONAL or k in held}
+    if whole is None:
         load_sharded(path, template)
     else:
-        fill_from_whole(template, _load(path)["state"], path)
+        fill_from_whole(template, whole, path)
+    return template
 
 
 # --- writing -----------------------------------------------------------------------------------
@@ -381,8 +390,7 @@ class CheckpointManager:
                 "resharded; the data order differs from the saved run's",
                 stacklevel=2,
             )
-        template = self.backend.checkpoint_state()
-        load_state(path, template)
+        template = load_state(path, self.backend.checkpoint_state())
         self.backend.load_checkpoint_state(template)
         return Saved(path, meta["loop"], self._saved_rng(path, meta, bool(other_world)))
 

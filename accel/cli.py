@@ -10,6 +10,7 @@ import typing
 from typing import Any
 
 from accel.config import RunConfig, flag_of, from_dict, leaf_fields
+from accel.recipes import apply_recipe
 
 # Help sections, in order: a nested config's fields go under its title, a top-level field under
 # the `group` its metadata names.
@@ -102,4 +103,4 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
         for key in keys[:-1]:
             node = node.setdefault(key, {})
         node[keys[-1]] = value
-    return from_dict(RunConfig, nested)
+    return from_dict(RunConfig, apply_recipe(nested))

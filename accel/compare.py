@@ -14,15 +14,18 @@ from datetime import datetime
 from pathlib import Path
 
 from accel.config import BACKENDS, ConfigError
-from accel.report import Run, markdown_table, read_losses, rows
+from accel.report import markdown_table
+from accel.run_records import Run, aggregate, read_steps
 
 COLUMNS = (
     "backend",
     "images_per_sec",
     "speedup",
+    "step_time_ms",
     "time_to_first_step_s",
+    "compile_s",
     "compiles_after_warmup",
-    "peak_memory_bytes",
+    "peak_device_mib",
     "data_wait_fraction",
     "mfu",
 )
@@ -72,7 +75,7 @@ def run_comparison(argv: list[str], backends: list[str], model: str, output: str
             return code
         run_dir = Path(output) / model / backend / name
         summary = json.loads((run_dir / "summary.json").read_text())
-        runs.append(Run(model, backend, name, summary, read_losses(run_dir / "metrics.jsonl", [])))
+        runs.append(Run(model, backend, name, summary, read_steps(run_dir / "metrics.jsonl", [])))
     print(f"\ncomparison of {model} ({', '.join(backends)}), speed-up over {backends[0]}:\n")
-    print(markdown_table(rows(runs, base_backend=backends[0]), COLUMNS))
+    print(markdown_table(aggregate(runs, base_backend=backends[0]), COLUMNS))
     return 0

@@ -24,6 +24,7 @@ BACKENDS = ("eager", "compile", "xla", "jax")
 AMP_LEVELS = ("O0", "O1", "O2", "O3")
 SHARD_MODES = ("none", "full", "grad_op")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+RECIPE_NAMES = ("swin_tiny_in1k", "deit_base_in1k", "vit_finetune")  # accel/recipes.py
 DEFAULT_EPOCHS = 1  # the run length when neither --steps nor --epochs is given
 
 
@@ -47,6 +48,16 @@ class OptimConfig:
     min_lr: float = option(1e-6, "learning rate at the end of the schedule", min=0)
     clip_grad: float = option(1.0, "max gradient norm (0 = no clipping)", min=0)
     grad_accum: int = option(1, "micro-steps per optimizer step", min=1)
+    warmup_epochs: float = option(0.0, "warm-up epochs (added to --warmup_steps)", min=0)
+    layer_decay: float = option(
+        0.0,
+        "layer-wise learning-rate decay, timm's (0 = off; 0.65-0.75 to fine-tune a ViT)",
+        min=0,
+        max=1,
+    )
+    model_ema: bool = option(False, "keep an exponential moving average of the weights")
+    model_ema_decay: float = option(0.9998, "its decay", min=0, below=1)
+    model_ema_warmup: bool = option(False, "warm the decay up, as timm's ModelEmaV3")
 
 
 @dataclass(frozen=True)
@@ -96,6 +107,12 @@ class RunConfig:
     backend: str | None = option(
         None, "default: eager, or the XLA path when USE_ACCEL=1", choices=BACKENDS, group=RUN
     )
+    recipe: str = option(
+        "",
+        "a published recipe's hyper-parameters (explicit options override them)",
+        choices=("", *RECIPE_NAMES),
+        group=RUN,
+    )
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -138,6 +155,14 @@ class RunConfig:
     keep_checkpoints: int = option(3, "checkpoints kept (0 keeps all)", min=0, group=OUTPUT)
     log_every: int = option(10, "steps between loss fetches and log lines", min=1, group=OUTPUT)
     eval: bool = option(True, "skip the final evaluation", flag="--no-eval", group=OUTPUT)
+    eval_only: bool = option(
+        False,
+        "evaluate the --resume checkpoint or --pretrained(_path) weights, without training",
+        group=OUTPUT,
+    )
+    eval_every: int = option(
+        0, "epochs between evaluations during training (0: at the end only)", min=0, group=OUTPUT
+    )
     timing_warmup_steps: int = option(2, "first steps left out of img/s", min=0, group=OUTPUT)
     peak_tflops: float = option(
         0.0, "accelerator bf16 peak TFLOP/s for MFU (default: looked up)", min=0, group=OUTPUT
@@ -283,11 +308,26 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ConfigError("--nnodes > 1: give every node the same --run_name")
     if par.node_rank >= par.nnodes:
         raise ConfigError(f"--node_rank {par.node_rank} is not below --nnodes {par.nnodes}")
+    check_training_options(cfg)
     if par.pp > 1 and cfg.batch_size % par.pp_microbatches:
         raise ConfigError(
             f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "
             f"{par.pp_microbatches}"
         )
+
+
+def check_training_options(cfg: RunConfig) -> None:
+    """Augmentation, fine-tuning and evaluation options that cannot work together."""
+    data, model = cfg.data, cfg.model
+    for flag, (low, high) in (("--scale", data.scale), ("--ratio", data.ratio)):
+        if low > high:
+            raise ConfigError(f"{flag} {low} {high}: the first value is the lower bound")
+    if data.reprob > 0 and cfg.parallel.pp > 1:
+        raise ConfigError("--reprob with --pp: random erasing is not part of the pipeline stages")
+    if model.pretrained and model.pretrained_path:
+        raise ConfigError("give --pretrained or --pretrained_path, not both")
+    if cfg.eval_only and not (cfg.resume or model.pretrained or model.pretrained_path):
+        raise ConfigError("--eval_only evaluates --resume's checkpoint or --pretrained(_path)")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -30,11 +30,21 @@ from accel.distributed import (  # noqa: E402
 )
 from accel.resolve import resolve  # noqa: E402
 from accel.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
+from data.augment import AugmentError  # noqa: E402
 from data.folder import BadImageError, DatasetError  # noqa: E402
 from data.lifetime import exit_with_parent  # noqa: E402
 from models.factory import ModelError  # noqa: E402
+from models.pretrained import PretrainedError  # noqa: E402
 
-USER_ERRORS = (ConfigError, BackendUnavailable, ModelError, DatasetError, BadImageError)
+USER_ERRORS = (
+    ConfigError,
+    BackendUnavailable,
+    ModelError,
+    PretrainedError,
+    AugmentError,
+    DatasetError,
+    BadImageError,
+)
 EXIT_USER_ERROR = 2
 EXIT_RECOMPILES = 3
 EXIT_NONFINITE = 4
@@ -175,7 +185,13 @@ def run(argv: list[str]) -> int:
             return code
     else:
         train_here(cfg, ctx, processes)
-    if speaks:
+    if speaks and cfg.eval_only:
+        summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+        print(
+            f"accel: top-1 {summary['eval_acc']:.4f}, top-5 {summary['eval_acc5']:.4f}, "
+            f"loss {summary['eval_loss']:.4f}; summary in {cfg.run_dir() / 'summary.json'}"
+        )
+    elif speaks:
         summary = json.loads((cfg.run_dir() / "summary.json").read_text())
         print(
             f"accel: {summary['images_per_sec']:.1f} img/s ({cfg.backend}, {cfg.model.name}, "

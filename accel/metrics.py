@@ -104,6 +104,11 @@ def utilisation(images_per_sec: float, flops_per_image: float, override: float, 
     }
 
 
+def describe_device(name: str) -> str:
+    """The device a run's numbers were measured on, for reports ('cpu' gets its core count)."""
+    return f"CPU, {os.cpu_count()} cores" if name == "cpu" else name
+
+
 def steady_images_per_sec(images: int, steps: int, seconds: float) -> float:
     """img/s over the timed (post-warm-up) steps; 0 where none were timed."""
     return images * steps / seconds if steps > 0 and seconds > 0 else 0.0

@@ -1,5 +1,14 @@
-"""accel-report: turn a run tree (OUTPUT/<model>/<backend>/<run>/) into report.csv, report.md and
-PNG plots: throughput per model and backend with the speed-up on the bars, loss curves overlaid.
+"""accel-report: a run tree (OUTPUT/<model>/<backend>/<run>/) as a table and four pictures.
+
+    accel-report runs --out report       # report.md, report.csv, and one PNG per question
+
+Each picture answers one question: which backend is faster (throughput.png), where the time goes
+(timeline.png), whether the backends agree (agreement.png), and what they cost in memory
+(memory.png); accel/figures.py draws them. The table has one row per backend and configuration
+(model, AMP level, global batch, world size) with the median over repeated runs and their count;
+report.csv keeps every run. `--readme FILE` also writes the table and the throughput picture into
+FILE between `<!-- accel-report:begin -->` and `<!-- accel-report:end -->`, with where the numbers
+came from.
 
 It reads summary.json and metrics.jsonl only. Unfinished runs (no summary.json) and corrupt lines
 are reported once and left out; the rest is still reported.
@@ -9,191 +18,127 @@ from __future__ import annotations
 
 import argparse
 import csv
-import json
 import sys
-from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-COLUMNS = (
-    "model",
-    "backend",
-    "run",
-    "world_size",
-    "amp_level",
-    "global_batch_size",
-    "steps",
-    "images_per_sec",
-    "speedup",
-    "time_to_first_step_s",
-    "compiles_after_warmup",
-    "data_wait_fraction",
-    "mfu",
-    "peak_memory_bytes",
-    "final_loss",
+from accel.run_records import (
+    LAYOUT,
+    RUN_COLUMNS,
+    Run,
+    aggregate,
+    find_runs,
+    fmt,
+    repeats,
+    run_row,
 )
 
-
-@dataclass
-class Run:
-    model: str
-    backend: str
-    name: str
-    summary: dict[str, Any]
-    losses: list[tuple[int, float]] = field(default_factory=list)  # (step, loss) from metrics
-
-
-def read_losses(path: Path, problems: list[str]) -> list[tuple[int, float]]:
-    losses = []
-    if not path.is_file():
-        return losses
-    for number, line in enumerate(path.read_text().splitlines(), start=1):
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            problems.append(f"corrupt line {number} in {path}: left out")
-            continue
-        if row.get("kind") == "step" and row.get("loss") is not None:
-            losses.append((int(row["step"]), float(row["loss"])))
-    return losses
+README_BEGIN, README_END = "<!-- accel-report:begin -->", "<!-- accel-report:end -->"
+# The table: medians over a backend's runs of one configuration.
+TABLE_COLUMNS = (
+    "model", "backend", "runs", "amp_level", "global_batch_size", "world_size", "steps",
+    "images_per_sec", "speedup", "step_time_ms", "time_to_first_step_s", "compile_s",
+    "eval_acc", "eval_loss", "final_loss", "peak_device_mib", "peak_host_mib",
+    "compiles_after_warmup",
+)  # fmt: skip
 
 
-def find_runs(root: Path) -> tuple[list[Run], list[str]]:
-    runs, problems = [], []
-    for run_dir in sorted(p for p in root.glob("*/*/*") if p.is_dir()):
-        model, backend, name = run_dir.parts[-3:]
-        summary_path = run_dir / "summary.json"
-        if not summary_path.is_file():
-            problems.append(f"unfinished run (no summary.json): {run_dir}")
-            continue
-        try:
-            summary = json.loads(summary_path.read_text())
-        except json.JSONDecodeError:
-            problems.append(f"corrupt summary.json: {run_dir}")
-            continue
-        losses = read_losses(run_dir / "metrics.jsonl", problems)
-        runs.append(Run(model, backend, name, summary, losses))
-    return runs, problems
-
-
-def rows(runs: list[Run], base_backend: str = "eager") -> list[dict[str, Any]]:
-    """One row per run; speed-up against the model's `base_backend` run (else its first run)."""
-    table = []
-    for run in runs:
-        same_model = [r for r in runs if r.model == run.model]
-        base = next((r for r in same_model if r.backend == base_backend), same_model[0])
-        base_ips = base.summary.get("images_per_sec") or 0.0
-        row = {k: run.summary.get(k) for k in COLUMNS}
-        row.update(model=run.model, backend=run.backend, run=run.name)
-        row["speedup"] = (run.summary.get("images_per_sec") or 0.0) / base_ips if base_ips else None
-        row["final_loss"] = run.summary["losses"][-1] if run.summary.get("losses") else None
-        table.append(row)
-    return table
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}" if abs(value) < 1 else f"{value:.2f}"
-    return str(value)
-
-
-def markdown_table(table: list[dict[str, Any]], columns: tuple[str, ...] = COLUMNS) -> str:
+def markdown_table(table: list[dict[str, Any]], columns: tuple[str, ...] = TABLE_COLUMNS) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
-    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in table]
+    lines += ["| " + " | ".join(fmt(row.get(c)) for c in columns) + " |" for row in table]
     return "\n".join(lines)
 
 
-def write_csv(table: list[dict[str, Any]], path: Path) -> None:
+def write_csv(runs: list[Run], path: Path) -> None:
+    speedups = {}
+    for row in aggregate(runs):
+        speedups[(row["config"], row["backend"])] = row["images_per_sec"]
     with open(path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer = csv.DictWriter(f, fieldnames=RUN_COLUMNS)
         writer.writeheader()
-        writer.writerows(table)
-
-
-def plot_throughput(table: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = sorted({r["model"] for r in table})
-    backends = sorted({r["backend"] for r in table})
-    width = 0.8 / len(backends)
-    fig, ax = plt.subplots(figsize=(max(5, 2.5 * len(models)), 4))
-    for i, backend in enumerate(backends):
-        for j, model in enumerate(models):
-            row = next((r for r in table if r["model"] == model and r["backend"] == backend), None)
-            if row is None or not row["images_per_sec"]:
-                continue
-            x = j + (i - (len(backends) - 1) / 2) * width
-            ax.bar(
-                x, row["images_per_sec"], width, color=f"C{i}", label=backend if j == 0 else None
+        for run in runs:
+            row = run_row(run)
+            base = speedups.get((run.config, "eager"))
+            row["speedup"] = (
+                row["images_per_sec"] / base if base and row["images_per_sec"] else None
             )
-            ax.text(x, row["images_per_sec"], f"{row['speedup']:.2f}x", ha="center", va="bottom")
-    ax.set_xticks(range(len(models)), models)
-    ax.set_ylabel("images / s")
-    ax.set_title("Throughput, speed-up over eager on the bars")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+            writer.writerow(row)
 
 
-def plot_losses(runs: list[Run], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    models = sorted({r.model for r in runs})
-    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
-    for ax, model in zip(axes[0], models, strict=True):
-        for run in (r for r in runs if r.model == model and r.losses):
-            steps, losses = zip(*run.losses, strict=True)
-            ax.plot(steps, losses, label=f"{run.backend} ({run.name})")
-        ax.set_title(model)
-        ax.set_xlabel("optimizer step")
-        ax.set_ylabel("training loss")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+def provenance(runs: list[Run]) -> str:
+    """Where the numbers came from: device, versions, date."""
+    devices = sorted({r.summary.get("device") or "unknown device" for r in runs})
+    versions = runs[0].summary.get("versions") or {}
+    stack = ", ".join(f"{k} {v}" for k, v in versions.items())
+    date = datetime.now(UTC).strftime("%Y-%m-%d")
+    runs_each = f"{repeats(runs)} run(s) of each job and backend"
+    return f"{'; '.join(devices)}; {stack}; {runs_each}; reported {date}"
 
 
-def write_report(root: Path, out: Path) -> tuple[list[dict[str, Any]], list[str]]:
+def update_readme(readme: Path, table: list[dict], runs: list[Run], picture: Path) -> None:
+    text = readme.read_text()
+    if README_BEGIN not in text or README_END not in text:
+        raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} block to fill")
+    head, rest = text.split(README_BEGIN, 1)
+    _, tail = rest.split(README_END, 1)
+    relative = picture.resolve().relative_to(readme.resolve().parent)
+    columns = (
+        "model",
+        "backend",
+        "runs",
+        "images_per_sec",
+        "speedup",
+        "step_time_ms",
+        "time_to_first_step_s",
+        "compile_s",
+        "eval_acc",
+        "final_loss",
+    )
+    block = (
+        f"\n_Made by `make plot` ({provenance(runs)})._\n\n"
+        f"{markdown_table(table, columns)}\n\n![which backend is faster]({relative})\n"
+    )
+    readme.write_text(head + README_BEGIN + block + README_END + tail)
+
+
+def write_report(root: Path, out: Path) -> tuple[list[dict[str, Any]], list[str], list[Run]]:
+    from accel.figures import save_figures
+
     runs, problems = find_runs(root)
     if not runs:
-        raise ValueError(f"no finished runs under {root}")
+        raise ValueError(f"no finished runs under {root}: accel-report expects {LAYOUT}")
     out.mkdir(parents=True, exist_ok=True)
-    table = rows(runs)
-    write_csv(table, out / "report.csv")
-    plot_throughput(table, out / "throughput.png")
-    plot_losses(runs, out / "losses.png")
+    table = aggregate(runs)
+    write_csv(runs, out / "report.csv")
+    pictures = save_figures(runs, table, out)
     notes = "".join(f"- {p}\n" for p in problems)
+    images = "\n\n".join(f"![{p.stem}]({p.name})" for p in pictures)
     (out / "report.md").write_text(
-        "# accel report\n\n" + markdown_table(table) + "\n\n"
-        "data_wait_fraction near 1 means the input pipeline, not the device, sets the pace.\n\n"
-        "![throughput](throughput.png)\n\n![losses](losses.png)\n"
-        + (f"\n## Left out\n\n{notes}" if notes else "")
+        f"# accel report\n\n{provenance(runs)}\n\n{markdown_table(table)}\n\n"
+        "Medians over each backend's runs (`runs`); report.csv lists every run. "
+        "`speedup` is against eager's median of the same configuration.\n\n"
+        f"{images}\n" + (f"\n## Left out\n\n{notes}" if notes else "")
     )
-    return table, problems
+    return table, problems, runs
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="accel-report", description=__doc__)
-    parser.add_argument("runs", help="the --output folder of launch_single_task")
-    parser.add_argument("--out", required=True, help="folder for report.csv, report.md, PNGs")
+    parser = argparse.ArgumentParser(prog="accel-report", description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", help="the --output folder of launch_single_task (or above it)")
+    parser.add_argument("--out", required=True, help="folder for report.md, report.csv, PNGs")
+    parser.add_argument("--readme", type=Path, help="a Markdown file whose report block to fill")
     args = parser.parse_args(argv)
     try:
-        table, problems = write_report(Path(args.runs), Path(args.out))
-    except ValueError as err:
+        table, problems, runs = write_report(Path(args.runs), Path(args.out))
+        if args.readme:
+            update_readme(args.readme, table, runs, Path(args.out) / "throughput.png")
+    except (ValueError, OSError) as err:
         print(f"accel-report: error: {err}", file=sys.stderr)
         return 2
     for problem in problems:
         print(f"accel-report: {problem}", file=sys.stderr)
-    print(markdown_table(table, ("model", "backend", "images_per_sec", "speedup", "mfu")))
+    print(markdown_table(table, ("model", "backend", "runs", "images_per_sec", "speedup")))
     print(f"report written to {args.out}")
     return 0
 

@@ -16,10 +16,14 @@ from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, data_replicas, 
 from accel.memory_check import check_memory
 from accel.parallel.mesh import describe_mesh
 from accel.parallel.pipeline import is_vit, stages_per_rank
+from accel.recipes import describe
 from accel.runs import check_free, latest_resumable, new_run_name
+from data.augment import check_augment
+from data.config import DataConfig
 from data.folder import count_images
 from data.loaders import folder_num_classes
-from models.factory import check_input_size, check_model_name, create_model
+from models.factory import check_input_size, check_model_name, create_model, meta_model
+from models.pretrained import fit, read_state_dict, source_of
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 
@@ -48,6 +52,11 @@ def check_data(cfg: RunConfig) -> int:
     if classes < 2:
         raise ConfigError(f"{cfg.data.source} has {classes} class folder: training needs 2 or more")
     length = cfg.data.synthetic_length if found is None else count_images(cfg.data.source)
+    if cfg.data.aug_repeats > 1 and length < data_replicas(cfg):
+        raise ConfigError(
+            f"--aug_repeats: {length} training images cannot be spread over "
+            f"{data_replicas(cfg)} data-parallel ranks"
+        )
     needed = cfg.batch_size * data_replicas(cfg)
     if length < needed:
         raise ConfigError(
@@ -151,6 +160,33 @@ def check_resume(cfg: RunConfig) -> None:
         raise ConfigError(f"cannot resume from {path}: {'; '.join(problems)}")
 
 
+IMAGE_AUGMENTATION = ("scale", "ratio", "hflip", "vflip", "color_jitter", "aa")
+
+
+def augmentation_notes(cfg: RunConfig) -> list[str]:
+    """Synthetic images are made at the input size, untransformed: the image augmentation
+    flags given would do nothing there, and the user is told so."""
+    default = DataConfig()
+    given = [f"--{n}" for n in IMAGE_AUGMENTATION if getattr(cfg.data, n) != getattr(default, n)]
+    if not (cfg.data.is_synthetic and given):
+        return []
+    return [
+        f"--data synthetic: {', '.join(given)} act on image folders only "
+        "(--reprob and mixup apply here)"
+    ]
+
+
+def check_start_weights(cfg: RunConfig) -> list[str]:
+    """The --pretrained(_path) weights fit the model (names and shapes, checked on the meta
+    device); what to tell the user of them."""
+    model = cfg.model
+    source = source_of(model.name, model.pretrained, model.pretrained_path)
+    if source is None:
+        return []
+    _, fresh_head = fit(meta_model(model).model, read_state_dict(source), str(source))
+    return [f"starting weights from {source}"] + ([fresh_head] if fresh_head else [])
+
+
 def check_output(cfg: RunConfig) -> None:
     """The output folder can be made (no file in its way)."""
     for parent in (Path(cfg.output), *Path(cfg.output).parents):
@@ -163,6 +199,7 @@ def check_output(cfg: RunConfig) -> None:
 def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModule, list[str]]:
     """The checked, settled config, its backend's module, and what to tell the user of it."""
     validate(cfg)
+    check_augment(cfg.data)
     backend, why = resolve_backend(cfg.backend, env)
     cfg = dataclasses.replace(cfg, backend=backend)
     notes = [f"backend {backend} ({why})"]
@@ -185,7 +222,8 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
         model=dataclasses.replace(cfg.model, num_classes=classes),
         data=dataclasses.replace(cfg.data, decode_on=decode_on),
     )
+    notes += check_start_weights(cfg) + augmentation_notes(cfg)
     cfg = dataclasses.replace(cfg, run_name=resolve_run_name(cfg))
     check_free(cfg.run_dir())
     check_resume(cfg)
-    return cfg, module, notes + mesh_notes(cfg)
+    return cfg, module, describe(cfg) + notes + mesh_notes(cfg)

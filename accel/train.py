@@ -25,18 +25,21 @@ from accel.checkpoint import (
 )
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, all_gather_ints
+from accel.evaluation import Evaluator
 from accel.flops import train_flops_per_image
 from accel.metrics import (
     RunLogger,
+    describe_device,
     host_bytes_now,
     peak_host_bytes,
     steady_images_per_sec,
     utilisation,
 )
-from accel.optim import LRSchedule
+from accel.optim import EmaDecay, LRSchedule
 from accel.runs import RunLock
 from accel.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
-from data.loaders import build_eval_loader, build_train_loader
+from accel.versions import stack
+from data.loaders import build_train_loader
 from models.factory import input_size
 
 
@@ -48,6 +51,7 @@ class LoopState:
     losses: list[float] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # unreadable images
     nonfinite_steps: list[int] = field(default_factory=list)  # steps whose update was skipped
+    evals: list[dict] = field(default_factory=list)  # --eval_every's results, by epoch
 
 
 @dataclass
@@ -57,8 +61,25 @@ class Timer:
     warm_t: float = float("nan")
     warm_step: int = 0
     data_wait_s: float = 0.0
+    eval_s: float = 0.0  # evaluations inside the timed steady state (--eval_every)
     loop_s: float = 0.0
     startup_s: dict[str, float] = field(default_factory=dict)  # where time to first step goes
+    group_start: tuple[float, float] = (0.0, 0.0)  # (time, data wait) at the current group's start
+
+    def restart_group(self) -> None:
+        """Time the next group of steps from here (after a fetch, a checkpoint, an eval)."""
+        self.group_start = (time.perf_counter(), self.data_wait_s)
+
+    def group(self, steps: int, batch: int) -> dict[str, float]:
+        """The mean step time, img/s and data-wait fraction of the `steps` just fetched: read
+        at the host sync the losses need anyway, so timing adds none."""
+        started, waited = self.group_start
+        elapsed = max(time.perf_counter() - started, 1e-9)
+        return {
+            "step_time_s": elapsed / steps,
+            "images_per_sec": batch * steps / elapsed,
+            "data_wait_fraction": (self.data_wait_s - waited) / elapsed,
+        }
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -106,6 +127,11 @@ def timed_groups(stream: Iterator[Any], size: int, timer: Timer) -> Iterator[lis
         yield group
 
 
+def host_tuple(batch: dict) -> tuple:
+    """A collated batch as the backends take it: images, targets (and erasing rectangles)."""
+    return (batch["images"], batch["targets"], *((batch["erase"],) if "erase" in batch else ()))
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -144,7 +170,8 @@ class Trainer:
         if self.steps_per_epoch < 1:
             raise ConfigError("an epoch holds fewer batches than --grad_accum")
         self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
-        self.schedule = LRSchedule(cfg.optim, self.total_steps)
+        self.schedule = LRSchedule(cfg.optim, self.total_steps, self.steps_per_epoch)
+        self.ema_decay = EmaDecay(cfg.optim) if cfg.optim.model_ema else None
         self.state = LoopState()
         world = self.data_ranks * self.backend.local_replicas
         self.checkpoints = CheckpointManager(cfg, ctx.is_main, ctx.rank, self.backend, world)
@@ -159,6 +186,10 @@ class Trainer:
     @property
     def global_batch(self) -> int:
         return self.host_batch * self.data_ranks * self.cfg.optim.grad_accum
+
+    def ema_decay_at(self, step: int) -> float:
+        """The EMA decay of optimizer step `step` (0: no EMA kept)."""
+        return self.ema_decay(step) if self.ema_decay else 0.0
 
     def resume(self) -> None:
         path = self.checkpoints.resume_path()
@@ -182,19 +213,22 @@ class Trainer:
         path = self.checkpoints.save(self.state.step, dataclasses.asdict(self.state))
         if self.ctx.is_main:
             self.logger.info(f"checkpoint {path}")
+        self.timer.restart_group()  # the write is not a step's time
 
     def flush(self) -> None:
-        """Fetch the pending losses in one host sync and log them."""
+        """Fetch the pending losses in one host sync and log them, with their steps' timing."""
         if not self.pending:
             return
         results = self.backend.fetch_results([handle for _, handle, _ in self.pending])
+        timing = self.timer.group(len(self.pending), self.global_batch)
         for (step, _, lr), (loss, applied) in zip(self.pending, results, strict=True):
             self.state.losses.append(loss)
-            self.logger.record("step", step=step, loss=loss, lr=lr, applied=applied)
-            self.logger.scalars(step, loss=loss, lr=lr)
+            self.logger.record("step", step=step, loss=loss, lr=lr, applied=applied, **timing)
+            self.logger.scalars(step, loss=loss, lr=lr, **timing)
             if not applied:
                 self._non_finite(step, loss)
         self.pending.clear()
+        self.timer.restart_group()
 
     def _non_finite(self, step: int, loss: float) -> None:
         """Every rank sees the same (all-reduced) results, so all of them decide alike."""
@@ -217,6 +251,10 @@ class Trainer:
             with self.timer.phase("logger"):
                 self.logger = RunLogger(self.cfg.run_dir(), self.ctx)
             self.tracker = SkipTracker(self.state, self.logger)
+            shard = (self.data_rank, self.data_ranks)
+            self.evaluate = Evaluator(
+                self.cfg, self.backend, self.image_size, self.host_batch, shard, self.tracked
+            )
             try:
                 return self._train()
             finally:
@@ -227,8 +265,13 @@ class Trainer:
             if lock:
                 lock.release()
 
+    def tracked(self, loader: Iterable[dict]) -> Iterator[dict]:
+        return self.tracker.track(loader)
+
     def _train(self) -> dict[str, Any]:
         self.resume()
+        if self.cfg.eval_only:
+            return self._evaluate_only()
         start = self.state.step
         # Steady-state timing starts after a few steps (compiles, caches), but never at the end.
         warm = start + max(1, self.cfg.timing_warmup_steps)
@@ -247,6 +290,7 @@ class Trainer:
         # The bar is closed (its line ended) on errors too, so error messages start a line.
         with bar, stop_on_signals() as self.stop:
             loop_start = time.perf_counter()
+            self.timer.restart_group()
             while self.state.step < self.total_steps and not self._halted():
                 self._run_epoch(bar, start)
             self.flush()
@@ -275,10 +319,11 @@ class Trainer:
     def _run_epoch(self, bar: tqdm, start: int) -> None:
         accum = self.cfg.optim.grad_accum
         self.loader.batch_sampler.set_epoch(self.state.epoch, self.state.batch_in_epoch)
-        host = ((b["images"], b["targets"]) for b in self.tracker.track(self.loader))
+        host = (host_tuple(b) for b in self.tracker.track(self.loader))
         for micro in timed_groups(self.backend.device_batches(host), accum, self.timer):
-            lr = self.schedule(self.state.step)
-            self.pending.append((self.state.step + 1, self.backend.train_step(micro, lr), lr))
+            step, lr = self.state.step + 1, self.schedule(self.state.step)
+            handle = self.backend.train_step(micro, lr, self.ema_decay_at(step))
+            self.pending.append((step, handle, lr))
             self.state.step += 1
             self.state.batch_in_epoch += accum
             self._after_step(start)
@@ -287,6 +332,30 @@ class Trainer:
                 return
         self.state.epoch += 1
         self.state.batch_in_epoch = 0
+        every = self.cfg.eval_every
+        if every and self.state.epoch % every == 0 and self.state.step < self.total_steps:
+            self._evaluate_epoch()
+
+    def epochs_done(self) -> float:
+        """Epochs trained so far, the current one's share included."""
+        batches = len(self.loader.batch_sampler)
+        return round(self.state.epoch + self.state.batch_in_epoch / batches, 3)
+
+    def _evaluate_epoch(self) -> None:
+        """--eval_every: an evaluation between epochs, logged and kept for the summary."""
+        self.flush()
+        t = time.perf_counter()
+        results = {"epoch": self.epochs_done(), "step": self.state.step, **self.evaluate()}
+        if self.state.step > self.timer.warm_step:
+            self.timer.eval_s += time.perf_counter() - t
+        self.state.evals.append(results)
+        self.logger.record("eval", **results)
+        self.logger.scalars(self.state.step, **{k: v for k, v in results.items() if "eval_" in k})
+        self.logger.info(
+            f"epoch {self.state.epoch}: eval top-1 {results['eval_acc']:.4f}, "
+            f"loss {results['eval_loss']:.4f}"
+        )
+        self.timer.restart_group()
 
     def _after_step(self, start: int) -> None:
         step, cfg = self.state.step, self.cfg
@@ -305,7 +374,8 @@ class Trainer:
 
     def _finish(self, end: float) -> dict[str, Any]:
         timed = self.state.step - self.timer.warm_step
-        ips = steady_images_per_sec(self.global_batch, timed, end - self.timer.warm_t)
+        steady_s = end - self.timer.warm_t - self.timer.eval_s
+        ips = steady_images_per_sec(self.global_batch, timed, steady_s)
         replicas = self.ctx.world_size * self.backend.local_replicas
         summary = {
             "backend": self.backend.name,
@@ -322,12 +392,18 @@ class Trainer:
             "nonfinite_steps": self.state.nonfinite_steps,
             "seed": self.cfg.seed,
             "kernel_opt": self.cfg.kernel_opt,
+            "warm_step": self.timer.warm_step,
+            "versions": stack(),
             **utilisation(ips, self.flops_per_image, self.cfg.peak_tflops, replicas),
             "run_dir": str(self.cfg.run_dir()),
             **self.backend.stats(),
         }
+        summary["device"] = describe_device(summary["device_name"])
         if self.cfg.eval:
-            summary.update(self.evaluate())
+            final = self.evaluate()
+            summary.update(final)
+            self.state.evals.append({"epoch": self.epochs_done(), "step": self.state.step, **final})
+        summary["evals"] = self.state.evals
         summary["skipped_images"] = len(self.state.skipped)  # after evaluation's skips too
         # Every rank's memory, construction, training, checkpoints and evaluation included.
         summary["peak_host_bytes"] = all_gather_ints(peak_host_bytes())
@@ -337,13 +413,20 @@ class Trainer:
             self.logger.info(f"{ips:.1f} img/s, final loss {self.state.losses[-1]:.4f}")
         return summary
 
-    def evaluate(self) -> dict[str, float]:
-        loader = build_eval_loader(
-            self.cfg.data,
-            self.image_size,
-            self.host_batch,
-            (self.data_rank, self.data_ranks),
-            self.cfg.seed,
-            self.cfg.model.num_classes,
-        )
-        return self.backend.evaluate(self.tracker.track(loader))
+    def _evaluate_only(self) -> dict[str, Any]:
+        """--eval_only: the weights as loaded, evaluated; nothing trained or saved."""
+        results = self.evaluate()
+        summary = {
+            "backend": self.backend.name,
+            "model": self.cfg.model.name,
+            "eval_only": True,
+            "step": self.state.step,
+            "run_dir": str(self.cfg.run_dir()),
+            **results,
+            "skipped_images": len(self.state.skipped),
+        }
+        if self.ctx.is_main:
+            self.logger.write_summary(summary)
+            line = ", ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "eval_images")
+            self.logger.info(f"evaluated {results['eval_images']} images: {line}")
+        return summary

@@ -24,6 +24,14 @@ def installed(package: str) -> str | None:
         return None
 
 
+STACK = ("torch", "torchvision", "timm", "torch_xla", "jax", "torchax", "optax")
+
+
+def stack() -> dict[str, str]:
+    """The versions of the libraries a run's numbers depend on, those installed."""
+    return {name: v for name in STACK if (v := installed(name))}
+
+
 # torch 2.13 removed named tensors and their ATen overloads (pytorch/pytorch#173895); later
 # releases removed more ops that torchax 0.0.13 still names.
 OPS_REMOVED = TORCH >= (2, 13)

@@ -53,13 +53,18 @@ def decode_full(path: str) -> None:
 def stages(root: Path, image_size: int, count: int) -> dict[str, float]:
     """Milliseconds per image of each stage, in this process."""
     paths = [p for p, _ in ImageFolderDataset(root, "train", None).samples][:count]
+    augment = DataConfig()  # the default crop and flip
     return {
         "decode_full_ms": per_image_ms(paths, decode_full),
         "train_transform_full_decode_ms": per_image_ms(
-            paths, train_transform(image_size, draft=False)
+            paths, train_transform(image_size, augment, draft=False)
         ),
-        "train_transform_draft_ms": per_image_ms(paths, train_transform(image_size, draft=True)),
-        "device_path_worker_ms": per_image_ms(paths, EncodedCrop(train_transform(image_size))),
+        "train_transform_draft_ms": per_image_ms(
+            paths, train_transform(image_size, augment, draft=True)
+        ),
+        "device_path_worker_ms": per_image_ms(
+            paths, EncodedCrop(train_transform(image_size, augment))
+        ),
     }
 
 

@@ -18,7 +18,8 @@ from timm.data.mixup import FastCollateMixup, cutmix_bbox_and_lam, mixup_target
 from data.config import MixupConfig
 from data.sampling import SampleKey, key_seed
 
-Sample = tuple[torch.Tensor, int, tuple[str, ...], SampleKey]
+# image, label, files skipped to get it, its key, its erasing rectangles (None: no erasing)
+Sample = tuple[torch.Tensor, int, tuple[str, ...], SampleKey, np.ndarray | None]
 
 
 @contextmanager
@@ -56,6 +57,13 @@ class MixPlan:
 
 def _skipped(samples: list[Sample]) -> list[str]:
     return [path for s in samples for path in s[2]]
+
+
+def erase_batch(samples: list[Sample]) -> dict:
+    """{'erase': int32 [B, K, 6]} where the samples carry erasing rectangles, else {}."""
+    if samples[0][4] is None:
+        return {}
+    return {"erase": torch.from_numpy(np.stack([s[4] for s in samples]))}
 
 
 class TrainCollate:
@@ -112,7 +120,8 @@ class TrainCollate:
             images = torch.stack([s[0] for s in samples])
             labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)
             targets = mixup_target(labels, self.num_classes, 1.0, self.smoothing)
-        return {"images": images, "targets": targets.float(), "skipped": _skipped(samples)}
+        batch = {"images": images, "targets": targets.float(), "skipped": _skipped(samples)}
+        return {**batch, **erase_batch(samples)}
 
 
 def eval_collate(samples: list[Sample]) -> dict:

@@ -39,6 +39,32 @@ class DataConfig:
     workers: int = option(2, "data loader workers per process", min=0)
     label_smoothing: float = option(0.1, "label smoothing", min=0, below=1)
     mixup: MixupConfig = field(default_factory=MixupConfig)
+    scale: tuple[float, float] = option(
+        (0.08, 1.0), "random-resized-crop area range, a fraction of the image", above=0, max=1
+    )
+    ratio: tuple[float, float] = option((3 / 4, 4 / 3), "random-resized-crop aspect range", above=0)
+    hflip: float = option(0.5, "horizontal flip probability", min=0, max=1)
+    vflip: float = option(0.0, "vertical flip probability", min=0, max=1)
+    color_jitter: float = option(
+        0.0, "colour jitter strength: brightness, contrast, saturation (0 = off)", min=0
+    )
+    aa: str = option(
+        "", "auto-augment policy as timm writes it: rand-m9-mstd0.5-inc1, augmix, original"
+    )
+    reprob: float = option(
+        0.0, "random erasing probability (on the device, after normalisation)", min=0, max=1
+    )
+    remode: str = option("pixel", "random erasing fill", choices=("const", "rand", "pixel"))
+    recount: int = option(1, "random erasing: at most this many rectangles a sample", min=1)
+    aug_repeats: int = option(
+        0,
+        "repeated augmentation: each image this many times an epoch (0 = off)",
+        min=0,
+        resume="same",
+    )
+    train_interpolation: str = option(
+        "bilinear", "crop resampling", choices=("bilinear", "bicubic", "random")
+    )
     strict: bool = option(
         False, "stop at the first unreadable image instead of skipping it", flag="--strict-data"
     )

@@ -21,9 +21,12 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as tvf
 
-from data.collate import Sample, TrainCollate
+from data.augment import device_secondary
+from data.collate import Sample, TrainCollate, erase_batch
+from data.config import DataConfig
 from data.folder import DecodeCrop
 from data.jpeg_decoders import make_decoder
+from data.sampling import SampleKey, key_seed
 
 # Colour modes nvJPEG decodes to RGB; other JPEGs (CMYK, YCCK) are decoded by the workers.
 DEVICE_MODES = ("RGB", "L")
@@ -37,7 +40,8 @@ class EncodedJpeg:
     # per file would each take a shared-memory file descriptor on its way to the main process.
     data: np.ndarray
     box: tuple[int, int, int, int]  # left, top, width, height in full-size pixels
-    flip: bool
+    bicubic: bool  # the crop's resampling (else bilinear)
+    flips: tuple[bool, bool]  # mirror, upside down
 
 
 class EncodedCrop:
@@ -47,6 +51,7 @@ class EncodedCrop:
 
     def __init__(self, cpu: DecodeCrop):
         self.cpu = cpu
+        self.size = cpu.size
 
     def __call__(self, path: str) -> EncodedJpeg | torch.Tensor:
         with Image.open(path) as img:  # reads the header only; not an image: raises here
@@ -55,7 +60,9 @@ class EncodedCrop:
         if not on_device:
             return self.cpu(path)
         box = self.cpu.box(*size)
-        return EncodedJpeg(np.fromfile(path, dtype=np.uint8), box, self.cpu.draw_flip())
+        bicubic = self.cpu.resample() == Image.Resampling.BICUBIC
+        flips = self.cpu.flips()
+        return EncodedJpeg(np.fromfile(path, dtype=np.uint8), box, bicubic, flips)
 
 
 class EncodedCollate:
@@ -74,6 +81,7 @@ class EncodedCollate:
             "keys": [s[3] for s in samples],
             "mix": self.collate.mix_plan(samples[0][3], shape),
             "skipped": [path for s in samples for path in s[2]],
+            **erase_batch(samples),
         }
 
 
@@ -82,12 +90,15 @@ class DeviceDecoder:
     targets), decoded on `device`. `fallback[key]` is the CPU path's sample for a key: a keyed
     dataset decoding on the CPU, which skips unreadable files or stops on them."""
 
-    def __init__(self, device: torch.device, size: int, collate: TrainCollate, fallback):
+    def __init__(
+        self, device: torch.device, size: int, collate: TrainCollate, fallback, cfg: DataConfig
+    ):
         self.device = device
         self.size = size
         self.collate = collate
         self.fallback = fallback
         self.decoder = make_decoder(device)
+        self.stage = device_secondary(cfg)  # colour jitter or auto-augment, on the device
 
     def __call__(self, batch: dict) -> dict:
         items, labels = batch["encoded"], batch["labels"].clone()
@@ -98,10 +109,10 @@ class DeviceDecoder:
         crops = []
         for i, item in enumerate(items):
             if decoded.get(i) is not None:
-                crops.append(self.crop(decoded[i], item))
+                crops.append(self.crop(decoded[i], item, batch["keys"][i]))
                 continue
             if i in decoded:  # the device decoder refused it: the CPU path decides
-                item, labels[i], more, _ = self.fallback[batch["keys"][i]]
+                item, labels[i], more, _, _ = self.fallback[batch["keys"][i]]
                 skipped.extend(more)
             crops.append(item.to(self.device))
         images = torch.stack(crops)
@@ -109,17 +120,29 @@ class DeviceDecoder:
         if plan is not None:
             images = plan.apply(images)
         targets = self.collate.targets(labels, plan)
-        return {"images": images, "targets": targets, "skipped": skipped}
+        extra = {"erase": batch["erase"]} if "erase" in batch else {}
+        return {"images": images, "targets": targets, "skipped": skipped, **extra}
 
     def decode(self, datas: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """Decoded RGB images, None for each file the decoder refused."""
         return self.decoder(datas)
 
-    def crop(self, image: torch.Tensor, item: EncodedJpeg) -> torch.Tensor:
+    def crop(self, image: torch.Tensor, item: EncodedJpeg, key: SampleKey) -> torch.Tensor:
+        """The crop, its flips, then the device's augmentation stage, drawn from the sample's
+        own seed (as its worker drew the box)."""
         left, top, width, height = item.box
-        size = [self.size, self.size]
-        crop = tvf.resized_crop(image, top, left, height, width, size, antialias=True)
-        return crop.flip(-1) if item.flip else crop
+        mode = tvf.InterpolationMode.BICUBIC if item.bicubic else tvf.InterpolationMode.BILINEAR
+        crop = tvf.resized_crop(
+            image, top, left, height, width, [self.size, self.size], mode, antialias=True
+        )
+        mirror, upside_down = item.flips
+        crop = crop.flip(-1) if mirror else crop
+        crop = crop.flip(-2) if upside_down else crop
+        if self.stage is None:
+            return crop
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(key_seed(self.fallback.seed, key.epoch, key.index, key.repeat) + 1)
+            return self.stage(crop)
 
 
 class DeviceDecodedLoader:

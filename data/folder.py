@@ -13,9 +13,12 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image, UnidentifiedImageError
+from timm.data import RandomResizedCropAndInterpolation
 from torch.utils.data import Dataset
-from torchvision import transforms as v1
 from torchvision.datasets.folder import find_classes, make_dataset
+
+from data.augment import interpolation, secondary
+from data.config import DataConfig
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".gif")
 DECODE_ERRORS = (OSError, UnidentifiedImageError, ValueError, SyntaxError)
@@ -30,13 +33,15 @@ class BadImageError(RuntimeError):
 
 
 class DecodeCrop:
-    """Path in, uint8 CHW crop out: decode, crop, resize (and flip) on PIL in uint8.
+    """Path in, uint8 CHW crop out: decode, crop, resize, flip and (training) timm's colour or
+    auto-augment stage, on PIL in uint8.
 
-    Written here rather than composed from torchvision's transforms because the crop has to be
-    chosen before decoding: a JPEG is then decoded at 1/2, 1/4 or 1/8 scale (PIL's draft mode,
+    Written here rather than composed from timm's transforms because the crop has to be chosen
+    before decoding: a JPEG is then decoded at 1/2, 1/4 or 1/8 scale (PIL's draft mode,
     libjpeg's DCT scaling) when the crop, brought to `size`, keeps at least `size` pixels a side.
     That pays for photos more than twice the crop's size; smaller ones decode at full size.
-    `draft=False` always decodes at full size (the benchmark's reference).
+    `draft=False` always decodes at full size (the benchmark's reference). The random draws are
+    timm's, in timm's order: box, resampling, flips, then its secondary transforms.
     """
 
     def __init__(self, size: int, draft: bool = True):
@@ -47,9 +52,21 @@ class DecodeCrop:
         """(left, top, width, height) of the crop in full-size pixels."""
         raise NotImplementedError
 
+    def resample(self) -> Image.Resampling:
+        return Image.Resampling.BILINEAR
+
+    def flips(self) -> tuple[bool, bool]:
+        """(mirror, upside down); drawn after the box."""
+        return False, False
+
+    def finish(self, image: Image.Image) -> Image.Image:
+        """What comes after crop and flips (timm's colour jitter or auto-augment)."""
+        return image
+
     def __call__(self, path: str) -> torch.Tensor:
         with Image.open(path) as img:
             left, top, w, h = self.box(*img.size)
+            resample, (mirror, upside_down) = self.resample(), self.flips()
             full_width = img.size[0]
             if self.draft and img.format == "JPEG":
                 # Smallest scale that keeps the crop at least `size` pixels on each side.
@@ -60,30 +77,41 @@ class DecodeCrop:
             scale = img.size[0] / full_width
             crop = (left * scale, top * scale, (left + w) * scale, (top + h) * scale)
             image = img.convert("RGB").resize(
-                (self.size, self.size), Image.Resampling.BILINEAR, box=crop, reducing_gap=None
+                (self.size, self.size), resample, box=crop, reducing_gap=None
             )
-        image = torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
-        return image.flip(-1) if self.draw_flip() else image
-
-    def draw_flip(self) -> bool:
-        """Whether to mirror the crop; drawn after the box."""
-        return False
+        if mirror:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        if upside_down:
+            image = image.transpose(Image.Transpose.FLIP_TOP_BOTTOM)
+        image = self.finish(image)
+        return torch.from_numpy(np.asarray(image).copy()).permute(2, 0, 1)
 
 
 class RandomResizedCropDecode(DecodeCrop):
-    """torchvision's RandomResizedCrop (same box distribution, drawn from torch's RNG) and a
-    horizontal flip, for training."""
+    """timm's training crop (RandomResizedCropAndInterpolation's box and resampling draws),
+    flips, and its secondary stage, for training."""
 
-    scale = (0.08, 1.0)
-    ratio = (3 / 4, 4 / 3)
+    def __init__(self, size: int, cfg: DataConfig, draft: bool = True):
+        super().__init__(size, draft)
+        self.cfg = cfg
+        self.stage = secondary(cfg, size)
 
     def box(self, width: int, height: int) -> tuple[int, int, int, int]:
         canvas = torch.empty((1, height, width), dtype=torch.uint8)  # only its size is read
-        top, left, h, w = v1.RandomResizedCrop.get_params(canvas, self.scale, self.ratio)
+        top, left, h, w = RandomResizedCropAndInterpolation.get_params(
+            canvas, self.cfg.scale, self.cfg.ratio
+        )
         return left, top, w, h
 
-    def draw_flip(self) -> bool:
-        return torch.rand(1).item() < 0.5
+    def resample(self) -> Image.Resampling:
+        return interpolation(self.cfg)
+
+    def flips(self) -> tuple[bool, bool]:
+        # torchvision's RandomHorizontalFlip / RandomVerticalFlip draws, which timm uses.
+        return torch.rand(1).item() < self.cfg.hflip, torch.rand(1).item() < self.cfg.vflip
+
+    def finish(self, image: Image.Image) -> Image.Image:
+        return self.stage(image) if self.stage else image
 
 
 class CenterCropDecode(DecodeCrop):
@@ -95,8 +123,8 @@ class CenterCropDecode(DecodeCrop):
         return (width - side) // 2, (height - side) // 2, side, side
 
 
-def train_transform(size: int, draft: bool = True) -> RandomResizedCropDecode:
-    return RandomResizedCropDecode(size, draft)
+def train_transform(size: int, cfg: DataConfig, draft: bool = True) -> RandomResizedCropDecode:
+    return RandomResizedCropDecode(size, cfg, draft)
 
 
 def eval_transform(size: int, draft: bool = True) -> CenterCropDecode:

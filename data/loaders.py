@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import multiprocessing
 import os
+import random
+from collections.abc import Iterator
 from multiprocessing import forkserver
+from typing import Any
 
+import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from data.augment import erase_boxes
 from data.collate import TrainCollate, eval_collate
 from data.config import DataConfig
 from data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
@@ -19,25 +25,51 @@ from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler
 from data.synthetic import SyntheticImages
 
 
-class KeyedDataset(Dataset):
-    """Looks samples up by SampleKey; augmentation randomness is seeded from the key."""
+@contextlib.contextmanager
+def keyed_randomness(seed: int) -> Iterator[None]:
+    """torch's, Python's and numpy's generators seeded for one sample (timm's transforms draw
+    from all three), and left as they were after: the main process may run this too."""
+    python, legacy = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        random.seed(seed)
+        np.random.seed(seed)
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(legacy)
 
-    def __init__(self, dataset: Dataset, seed: int):
+
+class KeyedDataset(Dataset):
+    """Looks samples up by SampleKey; augmentation randomness is seeded from the key, and
+    (training with --reprob) the sample's random-erasing rectangles are drawn with it."""
+
+    def __init__(self, dataset: Dataset, seed: int, erasing: DataConfig | None = None):
         self.dataset = dataset
         self.seed = seed
+        self.erasing = erasing
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, key: SampleKey) -> tuple:
-        # fork_rng keeps the caller's torch RNG untouched when this runs in the main process.
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(key_seed(self.seed, key.epoch, key.index))
+        seed = key_seed(self.seed, key.epoch, key.index, key.repeat)
+        with keyed_randomness(seed):
             if isinstance(self.dataset, ImageFolderDataset):
                 image, label, skipped = self.dataset.load(key.index)
             else:
                 (image, label), skipped = self.dataset[key.index], ()
-        return image, label, skipped, key
+            erase = None
+            if self.erasing is not None:
+                erase = erase_boxes(self.erasing, *self.size(image), seed)
+        return image, label, skipped, key, erase
+
+    def size(self, image: Any) -> tuple[int, int]:
+        """(height, width) of a sample: a tensor, or an encoded JPEG's crop."""
+        if isinstance(image, torch.Tensor):
+            return tuple(image.shape[-2:])
+        return (self.dataset.transform.size,) * 2
 
 
 def build_dataset(
@@ -51,8 +83,10 @@ def build_dataset(
             (3, image_size, image_size),
             seed=seed + (0 if split == "train" else 1),
         )
-    make = train_transform if split == "train" else eval_transform
-    transform = make(image_size, draft=cfg.jpeg_draft)
+    if split == "train":
+        transform = train_transform(image_size, cfg, draft=cfg.jpeg_draft)
+    else:
+        transform = eval_transform(image_size, draft=cfg.jpeg_draft)
     return ImageFolderDataset(cfg.source, split, transform, strict=cfg.strict)
 
 
@@ -78,16 +112,15 @@ def worker_context() -> multiprocessing.context.BaseContext:
 
 
 def _loader(
-    dataset: Dataset,
+    keyed: KeyedDataset,
     batch_sampler,
     collate,
-    seed: int,
     workers: int,
     persistent: bool,
     pin_memory: bool = False,
 ) -> DataLoader:
     return DataLoader(
-        KeyedDataset(dataset, seed),
+        keyed,
         batch_sampler=batch_sampler,
         collate_fn=collate,
         num_workers=workers,
@@ -98,7 +131,7 @@ def _loader(
         # Each new iterator draws a base seed from this generator: with the global one, starting
         # an epoch (or a resumed run) would shift the model's random stream. Data randomness is
         # keyed per sample and never uses it.
-        generator=torch.Generator().manual_seed(seed),
+        generator=torch.Generator().manual_seed(keyed.seed),
     )
 
 
@@ -118,12 +151,16 @@ def build_train_loader(
     dataset = build_dataset(cfg, "train", image_size, seed, num_classes)
     if cfg.mixup.enabled and batch_size % 2:
         raise ValueError(f"mixup/cutmix need an even per-device batch size, got {batch_size}")
-    sampler = ShardedBatchSampler(len(dataset), batch_size, *shard, seed)
-    collate = TrainCollate(num_classes, cfg.label_smoothing, cfg.mixup, seed)
-    if cfg.decode_on == "workers" or cfg.is_synthetic:
-        return _loader(
-            dataset, sampler, collate, seed, cfg.workers, cfg.persistent_workers, pin_memory
+    if cfg.aug_repeats > 1 and len(dataset) < shard[1]:
+        raise ValueError(
+            f"--aug_repeats: {len(dataset)} images cannot be spread over {shard[1]} ranks"
         )
+    sampler = ShardedBatchSampler(len(dataset), batch_size, *shard, seed, repeats=cfg.aug_repeats)
+    collate = TrainCollate(num_classes, cfg.label_smoothing, cfg.mixup, seed)
+    erasing = cfg if cfg.reprob > 0 else None
+    if cfg.decode_on == "workers" or cfg.is_synthetic:
+        keyed = KeyedDataset(dataset, seed, erasing)
+        return _loader(keyed, sampler, collate, cfg.workers, cfg.persistent_workers, pin_memory)
     return _device_decoded(dataset, sampler, collate, cfg, image_size, seed)
 
 
@@ -138,9 +175,10 @@ def _device_decoded(
     cpu_path = copy.copy(dataset)  # the same files and classes, decoded on the CPU
     dataset.transform = EncodedCrop(cpu_path.transform)
     encoded = EncodedCollate(collate, image_size)
-    loader = _loader(dataset, sampler, encoded, seed, cfg.workers, cfg.persistent_workers)
-    device = torch.device(cfg.decode_on)
-    decoder = DeviceDecoder(device, image_size, collate, KeyedDataset(cpu_path, seed))
+    keyed = KeyedDataset(dataset, seed, cfg if cfg.reprob > 0 else None)
+    loader = _loader(keyed, sampler, encoded, cfg.workers, cfg.persistent_workers)
+    fallback = KeyedDataset(cpu_path, seed)
+    decoder = DeviceDecoder(torch.device(cfg.decode_on), image_size, collate, fallback, cfg)
     return DeviceDecodedLoader(loader, decoder)
 
 
@@ -155,4 +193,4 @@ def build_eval_loader(
     """Fixed-size evaluation batches with a `mask` marking the padding of the last one."""
     dataset = build_dataset(cfg, "val", image_size, seed, num_classes)
     sampler = PaddedEvalBatchSampler(len(dataset), batch_size, *shard)
-    return _loader(dataset, sampler, eval_collate, seed, cfg.workers, persistent=False)
+    return _loader(KeyedDataset(dataset, seed), sampler, eval_collate, cfg.workers, False)

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import NamedTuple
 
 import numpy as np
+import torch
 from torch.utils.data import DistributedSampler
 
 
@@ -24,6 +25,7 @@ class SampleKey(NamedTuple):
     epoch: int
     batch: int
     valid: bool = True
+    repeat: int = 0  # which of the image's repeats an epoch (--aug_repeats): its own draws
 
 
 class ShardedBatchSampler:
@@ -37,6 +39,7 @@ class ShardedBatchSampler:
         world_size: int = 1,
         seed: int = 0,
         shuffle: bool = True,
+        repeats: int = 0,
     ):
         if length < batch_size * world_size:
             raise ValueError(
@@ -55,6 +58,8 @@ class ShardedBatchSampler:
         self.batch_size = batch_size
         self.epoch = 0
         self.start_batch = 0
+        self.repeats, self.length, self.seed = repeats, length, seed
+        self.rank, self.world_size = rank, world_size
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Select the epoch's order; `start_batch` skips batches already trained (resume)."""
@@ -65,11 +70,23 @@ class ShardedBatchSampler:
     def __len__(self) -> int:
         return len(self.sampler) // self.batch_size
 
+    def _order(self) -> list[tuple[int, int]]:
+        """This rank's (index, repeat) pairs of the epoch. Repeated augmentation (timm's
+        RepeatAugSampler): each image `repeats` times in a row of the shuffled order, the rows
+        dealt round the ranks so a rank sees an image once and its peers its other repeats; an
+        epoch still holds as many samples as the data set."""
+        if self.repeats < 2:
+            return [(i, 0) for i in self.sampler]
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        order = torch.randperm(self.length, generator=generator).tolist()
+        pairs = [(i, r) for i in order for r in range(self.repeats)]
+        return pairs[self.rank :: self.world_size][: self.length // self.world_size]
+
     def __iter__(self) -> Iterator[list[SampleKey]]:
-        indices = list(self.sampler)
+        pairs = self._order()
         for b in range(self.start_batch, len(self)):
-            chunk = indices[b * self.batch_size : (b + 1) * self.batch_size]
-            yield [SampleKey(i, self.epoch, b) for i in chunk]
+            chunk = pairs[b * self.batch_size : (b + 1) * self.batch_size]
+            yield [SampleKey(i, self.epoch, b, repeat=r) for i, r in chunk]
 
 
 class PaddedEvalBatchSampler:

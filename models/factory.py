@@ -15,6 +15,8 @@ import torch
 from torch import nn
 
 from models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
+from models.erasing import random_erase
+from models.pretrained import load_pretrained
 
 
 class ModelError(ValueError):
@@ -48,6 +50,10 @@ class ModelConfig:
     img_size: int | None = option(
         None, "input side in pixels (default: the model's own)", min=1, resume="same"
     )
+    pretrained: bool = option(False, "start from timm's weights for --model, from its local cache")
+    pretrained_path: str = option(
+        "", "start from these weights: a timm state dict (.safetensors, .pth) or our .pt checkpoint"
+    )
 
 
 class ImageClassifier(nn.Module):
@@ -74,8 +80,12 @@ class ImageClassifier(nn.Module):
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         return (images.to(self.mean.dtype) - self.mean) * self.inv_scale
 
-    def forward(self, images: torch.Tensor) -> torch.Tensor:
-        return self.model(self.normalise(images))
+    def forward(self, images: torch.Tensor, erase: torch.Tensor | None = None) -> torch.Tensor:
+        """`erase`: random-erasing rectangles, filled after normalisation (models/erasing.py)."""
+        x = self.normalise(images)
+        if erase is not None:
+            x = random_erase(x, erase)
+        return self.model(x)
 
 
 def known_models() -> list[str]:
@@ -102,13 +112,16 @@ def _pool_kwargs(name: str, pool: str) -> dict:
 
 
 def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
-    """Build a randomly initialised timm model (no weight downloads) behind uint8 normalisation;
-    with `seed`, its weights are drawn from a torch generator seeded with it (the global one is
-    left as it was), so every place that builds the model gets the same values."""
+    """A timm model behind uint8 normalisation. With `seed`, the run's starting weights: drawn
+    from a torch generator seeded with it (the global one is left as it was), so every place
+    that builds the model gets the same values, then --pretrained's or --pretrained_path's
+    where given (models/pretrained.py; nothing is downloaded)."""
     if seed is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            return create_model(cfg)
+            model = create_model(cfg)
+        load_pretrained(model.model, cfg.name, cfg.pretrained, cfg.pretrained_path)
+        return model
     check_model_name(cfg.name)
     kwargs = _pool_kwargs(cfg.name, cfg.pool)
     if cfg.num_classes is not None:
@@ -131,10 +144,15 @@ def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
     return ImageClassifier(model, tuple(pcfg["mean"]), tuple(pcfg["std"]))
 
 
-def input_size(cfg: ModelConfig) -> tuple[int, int, int]:
-    """(channels, height, width) the model takes, read off it built on the meta device."""
+def meta_model(cfg: ModelConfig) -> ImageClassifier:
+    """The model on the meta device: its names, shapes and structure, nothing allocated."""
     with torch.device("meta"):
-        return create_model(cfg).input_size
+        return create_model(cfg)
+
+
+def input_size(cfg: ModelConfig) -> tuple[int, int, int]:
+    """(channels, height, width) the model takes."""
+    return meta_model(cfg).input_size
 
 
 def _patch_side(model: nn.Module) -> int | None:

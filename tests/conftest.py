@@ -35,17 +35,24 @@ pytest_plugins = ["tests.shared_runs"]
 NO_XLA = "torch_xla is not installed: its last release (2.9) pairs only with torch 2.9"
 
 
+NO_GPU = "no CUDA device is visible to torch"
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `xla` need torch_xla. `make test` (CI) installs it and sets
     ACCEL_REQUIRE_XLA, so there a missing torch_xla fails the run instead of skipping them; on
-    a newer torch (`make test-latest`) they are skipped, each with the reason."""
-    if torch_xla is not None:
-        return
-    if os.environ.get("ACCEL_REQUIRE_XLA"):
+    a newer torch (`make test-latest`) they are skipped, each with the reason. Tests marked
+    `gpu` are skipped, with the reason, where no CUDA device is visible."""
+    import torch
+
+    no_gpu = not torch.cuda.is_available()
+    if torch_xla is None and os.environ.get("ACCEL_REQUIRE_XLA"):
         raise pytest.UsageError(f"ACCEL_REQUIRE_XLA is set but {NO_XLA}")
     for item in items:
-        if "xla" in item.keywords:
+        if "xla" in item.keywords and torch_xla is None:
             item.add_marker(pytest.mark.skip(reason=NO_XLA))
+        if "gpu" in item.keywords and no_gpu:
+            item.add_marker(pytest.mark.skip(reason=NO_GPU))
 
 
 @pytest.fixture(scope="module")

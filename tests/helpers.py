@@ -76,10 +76,17 @@ def train_cli(output: Path, *args: str, env: dict | None = None) -> tuple[dict, 
     return read_summary(output), result.stdout
 
 
-def run_python(code: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    """`python -c code` in the project root."""
+def run_python(
+    code: str, timeout: int = 120, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -c code` in the project root (with `env` over this process's environment)."""
     return subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=timeout
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=timeout,
+        env={**os.environ, **(env or {})},
     )
 
 
@@ -111,7 +118,7 @@ def flat_tensors(state: dict, prefix: str = "") -> dict:
 
 
 def checkpoint_tensors(path: Path) -> dict:
-    """A checkpoint's model and optimizer tensors by flattened name; a folder's gathered whole
+    """A checkpoint's model, optimizer and EMA tensors by flattened name; a folder's gathered whole
     with torch.distributed.checkpoint's own converter."""
     import tempfile
 
@@ -125,7 +132,8 @@ def checkpoint_tensors(path: Path) -> dict:
             state = torch.load(Path(scratch) / "whole.pt", weights_only=True)
     else:
         state = torch.load(path, weights_only=True)["state"]
-    return {k: v for k, v in flat_tensors(state).items() if k.split(".")[0] in ("model", "optim")}
+    sections = ("model", "optim", "ema")
+    return {k: v for k, v in flat_tensors(state).items() if k.split(".")[0] in sections}
 
 
 def backend_tensors(backend) -> dict:

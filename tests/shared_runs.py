@@ -14,11 +14,13 @@ from tests.helpers import train_cli
 # global norm over the shards): both would change the losses if done per shard.
 SHARD_JOB = ("--model", "vit_micro", "--steps", "6", "--batch_size", "8", "--grad_accum", "2")
 SHARD_JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--clip_grad", "0.5")
+SHARD_JOB += ("--model_ema", "--model_ema_decay", "0.9")  # an EMA of the shards
 
 # 11 classes: split over 2 ranks, the classifier is padded to 12 and the padded class masked.
 TP_JOB = ("--model", "vit_micro", "--num_classes", "11", "--steps", "6", "--batch_size", "8")
 TP_JOB += ("--workers", "0", "--log_every", "1", "--save_every", "2", "--mixup", "0.8")
 TP_JOB += ("--drop_path", "0.3")  # the ranks of a tp group must draw the same masks
+TP_JOB += ("--model_ema", "--model_ema_decay", "0.9")  # an EMA of the split classifier too
 
 
 @pytest.fixture(scope="session")

@@ -20,7 +20,8 @@ from accel.config import AMP_LEVELS, RunConfig
 from accel.distributed import DistContext
 from models.factory import ModelConfig
 
-Batch = tuple[torch.Tensor, torch.Tensor]  # uint8 NCHW images, float soft targets
+# uint8 NCHW images, float soft targets, and (with --reprob) int32 [N, K, 6] erasing rectangles
+Batch = tuple[torch.Tensor, ...]
 
 
 class StepResult(NamedTuple):
@@ -68,22 +69,24 @@ class Backend(Protocol):
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
         """Move host batches to the device, prefetching where the backend can."""
 
-    def train_step(self, micro_batches: list[Any], lr: float) -> Any:
-        """One optimizer step over `micro_batches` (gradient accumulation), left undone where the
-        loss or the gradients are not finite; returns a handle of the loss and of whether the
-        update was applied, which stays on the device until `fetch_results`."""
+    def train_step(self, micro_batches: list[Any], lr: float, ema_decay: float = 0.0) -> Any:
+        """One optimizer step over `micro_batches` (gradient accumulation), and the weights'
+        EMA with `ema_decay` (--model_ema), left undone where the loss or the gradients are not
+        finite; returns a handle of the loss and of whether the update was applied, which stays
+        on the device until `fetch_results`."""
 
     def fetch_results(self, handles: list[Any]) -> list[StepResult]:
         """Host values of step handles, averaged over ranks: one sync for the whole group."""
 
-    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
-        """Mean loss and top-1 accuracy over masked, padded batches, reduced over ranks."""
+    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
+        """Mean loss, top-1 and top-5 accuracy over masked, padded batches, reduced over
+        ranks; with `ema`, of the EMA weights."""
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """{'model': {name: tensor}, 'optim': {name: {'step', 'exp_avg', 'exp_avg_sq'}}} by the
-        full model's parameter names: whole CPU tensors for a one-file checkpoint, or this
-        rank's part (DTensors, or the parameters it holds) for a sharded one. Loading fills
-        the same structure in place of the values."""
+        """{'model': {name: tensor}, 'optim': {name: {'step', 'exp_avg', 'exp_avg_sq'}}, and
+        with --model_ema 'ema': {name: tensor}} by the full model's parameter names: whole CPU
+        tensors for a one-file checkpoint, or this rank's part (DTensors, or the parameters it
+        holds) for a sharded one. Loading fills the same structure in place of the values."""
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
 

@@ -17,8 +17,9 @@ from accel.backends.torch_layouts import make_layout
 from accel.config import SHARD_MODES, RunConfig
 from accel.distributed import DistContext, env_context
 from accel.losses import summarise
+from accel.optim import parameter_settings
 from accel.parallel import effective_shard
-from models.factory import ModelConfig
+from models.factory import ModelConfig, meta_model
 
 SUPPORTS = Supports(
     float16=True,
@@ -103,14 +104,18 @@ class EagerBackend:
 
     def setup(self, model_cfg: ModelConfig) -> None:
         modules = self.layout.build(model_cfg)
-        self.core.attach(modules, self.cfg.optim.weight_decay, self.adamw, self.layout.classifier())
+        settings = parameter_settings(meta_model(model_cfg), self.cfg.optim)
+        self.core.attach(
+            modules, settings, self.adamw, self.layout.classifier(), self.cfg.optim.model_ema
+        )
         self.layout.attached(self.core)
         self.forward_loss = (
             self.compiler(self._forward_loss) if self.compiler else self._forward_loss
         )
 
-    def _forward_loss(self, images: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return self.layout.loss(self.layout.forward(images), targets)
+    def _forward_loss(self, images: torch.Tensor, targets: torch.Tensor, *extra) -> torch.Tensor:
+        """`extra`: the batch's random-erasing rectangles, where it has them."""
+        return self.layout.loss(self.layout.forward(images, *extra), targets)
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`, which
@@ -123,19 +128,28 @@ class EagerBackend:
             return cuda_prefetch(batches, self.device)
         return (tuple(t.to(self.device) for t in batch) for batch in batches)
 
-    def train_step(self, micro_batches: list[Batch], lr: float) -> torch.Tensor:
+    def train_step(
+        self, micro_batches: list[Batch], lr: float, ema_decay: float = 0.0
+    ) -> torch.Tensor:
         """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0]."""
         loss = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
         loss = self.layout.mean_loss(loss)
-        applied = self.core.update(lr, loss, self.cfg.optim.clip_grad, self.layout.grad_norm)
+        clip = self.cfg.optim.clip_grad
+        applied = self.core.update(lr, loss, clip, self.layout.grad_norm, ema_decay)
         return torch.stack([loss, applied.float()])
 
     def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
         rows = torch.stack(handles).float().cpu().tolist() if handles else []
         return [StepResult(loss, applied > 0) for loss, applied in rows]
 
+    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
+        if ema:
+            with self.core.ema_weights():
+                return self._evaluate(batches)
+        return self._evaluate(batches)
+
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
+    def _evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
         self.layout.module.eval()
         sums = torch.zeros(4, device=self.device)
         for batch in batches:

@@ -32,7 +32,7 @@ from accel.backends.torchax_compat import not_an_accelerator, removed_ops
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.losses import eval_sums, summarise
-from accel.optim import decay_mask
+from accel.optim import Settings, parameter_settings
 from accel.parallel import effective_shard
 from accel.versions import installed
 from models.factory import ModelConfig, create_model
@@ -232,14 +232,22 @@ def attention_override(env, sdpa: Callable):
 
 
 # --- optimizer --------------------------------------------------------------------------------
-def optax_adamw(cfg: RunConfig, mask: dict[str, bool]) -> optax.GradientTransformation:
-    """torch.optim.AdamW as optax pieces; the step multiplies the result by -lr (the schedule
-    is an argument of the step, not part of the state)."""
+def optax_adamw(
+    cfg: RunConfig, settings: Settings, names: list[str]
+) -> optax.GradientTransformation:
+    """torch.optim.AdamW as optax pieces, each parameter with its weight decay (accel.optim);
+    the step multiplies the result by -lr times the parameter's scale (the schedule is an
+    argument of the step, not part of the state)."""
     parts = [optax.clip_by_global_norm(cfg.optim.clip_grad)] if cfg.optim.clip_grad > 0 else []
     b1, b2 = cfg.optim.betas
+    decays = {n: settings[n][1] for n in names}
     parts += [
         optax.scale_by_adam(b1=b1, b2=b2, eps=1e-8),
-        optax.add_decayed_weights(cfg.optim.weight_decay, mask),
+        # optax takes one rate per transform: a masked transform per distinct weight decay.
+        *(
+            optax.add_decayed_weights(decay, {n: d == decay for n, d in decays.items()})
+            for decay in sorted(set(decays.values()) - {0.0})
+        ),
     ]
     return optax.chain(*parts)
 
@@ -376,13 +384,17 @@ class JaxBackend:
         store = self.precision.store
         params = {n: to_jax(p, store) for n, p in model.named_parameters() if p.requires_grad}
         buffers = {n: to_jax(b, store) for n, b in model.named_buffers()}
-        self.optimizer = optax_adamw(self.cfg, decay_mask(model))
+        settings = parameter_settings(model, self.cfg.optim)
+        self.optimizer = optax_adamw(self.cfg, settings, self.param_names)
+        self.lr_scales = {n: jnp.float32(settings[n][0]) for n in self.param_names}
         self.param_shardings = self.shardings(params, self.shard == "full")
         self.opt_shardings = self.shardings(
             jax.eval_shape(self.optimizer.init, params), self.shard != "none"
         )
         self.params = jax.device_put(params, self.param_shardings)
         self.buffers = jax.device_put(buffers, self.replicated)
+        # fp32, split as the weights are; an empty tree without --model_ema.
+        self.ema = self.ema_from(params) if self.cfg.optim.model_ema else {}
         # One compiled program for the whole state: op by op, every distinct shape's zeros would
         # compile a kernel of its own.
         init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
@@ -392,6 +404,11 @@ class JaxBackend:
         self.eval_fn = jax.jit(self._eval_sums)
         self.torch_eval_sums = interop.jax_view(eval_sums)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
+
+    def ema_from(self, params: dict) -> dict:
+        """An fp32 copy of `params` (its own buffers: the step donates both)."""
+        copies = jax.tree.map(lambda a: jnp.array(a, dtype=jnp.float32, copy=True), params)
+        return jax.device_put(copies, self.param_shardings)
 
     def shardings(self, tree: Any, split: bool) -> Any:
         """Per leaf: split along its first axis over the `data` mesh axis where `split` and that
@@ -406,11 +423,12 @@ class JaxBackend:
 
         return jax.tree.map(sharding, tree)
 
-    def _torch_forward(self, params: dict, buffers: dict, images: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(self.module, {**params, **buffers}, (images,))
+    def _torch_forward(self, params: dict, buffers: dict, *inputs: torch.Tensor) -> torch.Tensor:
+        return torch.func.functional_call(self.module, {**params, **buffers}, inputs)
 
-    def logits(self, params: dict, buffers: dict, images: jax.Array, key=None) -> jax.Array:
-        """Train mode when a PRNG key is given: stochastic depth and dropout draw from it."""
+    def logits(self, params: dict, buffers: dict, inputs: tuple, key=None) -> jax.Array:
+        """`inputs`: the model's (images, and erasing rectangles where the batch has them).
+        Train mode when a PRNG key is given: stochastic depth and dropout draw from it."""
         if self.amp.autocast:  # O1/O2: compute in bf16 from the fp32 master weights
             params, buffers = cast_floating((params, buffers), self.precision.compute)
         self.module.train(key is not None)  # read while tracing
@@ -418,16 +436,18 @@ class JaxBackend:
             contextlib.nullcontext() if key is None else self.env.override_property(prng=key)
         )
         with self.env, randomness:
-            return self.forward(params, buffers, images).astype(jnp.float32)
+            return self.forward(params, buffers, *inputs).astype(jnp.float32)
 
     # --- the step -----------------------------------------------------------------------------
-    def _loss(self, params: dict, buffers: dict, images, targets, key) -> jax.Array:
-        logp = jax.nn.log_softmax(self.logits(params, buffers, images, key), axis=-1)
+    def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> jax.Array:
+        images, targets, *extra = batch
+        logp = jax.nn.log_softmax(self.logits(params, buffers, (images, *extra), key), axis=-1)
         return -(targets * logp).sum(-1).mean()
 
-    def _local_grads(self, params, buffers, images, targets, count):
-        """Mean loss and gradient of the global batch, from this device's part of it (`images`
-        is [micro-steps, batch, ...]); every device ends with both."""
+    def _local_grads(self, params, buffers, batch, count):
+        """Mean loss and gradient of the global batch, from this device's part of it (`batch`:
+        images, targets and erasing rectangles, each [micro-steps, batch, ...]); every device
+        ends with both."""
         # Random draws differ per step, device and micro-step, and follow from the seed and the
         # optimizer's step count alone: a resumed run draws the same ones, with no state to save.
         key = jax.random.fold_in(self.base_key, count)
@@ -439,37 +459,47 @@ class JaxBackend:
                 loss_fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
             )
 
-        def micro_step(carry, batch):
-            images, targets, index = batch
+        def micro_step(carry, micro):
+            batch, index = micro
             loss, grads = jax.value_and_grad(loss_fn)(
-                params, buffers, images, targets, jax.random.fold_in(key, index)
+                params, buffers, batch, jax.random.fold_in(key, index)
             )
             return jax.tree.map(jnp.add, carry, (loss, grads)), None
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        micro_steps = jnp.arange(images.shape[0])
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (images, targets, micro_steps))
-        loss, grads = jax.tree.map(lambda x: x / images.shape[0], (loss, grads))
+        micro_steps = jnp.arange(batch[0].shape[0])
+        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (batch, micro_steps))
+        loss, grads = jax.tree.map(lambda x: x / batch[0].shape[0], (loss, grads))
         # The explicit all-reduce: every device ends with the mean gradient of the global batch.
         return jax.lax.pmean((loss, grads), "data")
 
-    def _step(self, params, opt_state, buffers, images, targets, lr, grads_fn):
-        """One optimizer step. The update runs on the sharded state where --shard splits it
-        (AdamW is elementwise; the clipping and finiteness norms are global, XLA reduces them)."""
-        loss, grads = grads_fn(params, buffers, images, targets, adam_state(opt_state).count)
+    def _step(self, params, opt_state, ema, buffers, batch, lr, ema_decay, grads_fn):
+        """One optimizer step (and the EMA's). The update runs on the sharded state where
+        --shard splits it (AdamW is elementwise; the clipping and finiteness norms are global,
+        XLA reduces them)."""
+        loss, grads = grads_fn(params, buffers, batch, adam_state(opt_state).count)
         grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
         updates, new_state = self.optimizer.update(grads, opt_state, params)
-        new_params = jax.tree.map(lambda p, u: (p - lr * u).astype(p.dtype), params, updates)
-        # A non-finite loss or gradient leaves weights and optimizer state as they were, with no
-        # host sync. (optax.apply_if_finite checks the gradients only, and applies updates again
-        # after max_consecutive_errors.)
-        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
-        params, opt_state = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (new_params, new_state),
-            (params, opt_state),
+        new_params = jax.tree.map(
+            lambda p, u, scale: (p - lr * scale * u).astype(p.dtype),
+            params,
+            updates,
+            self.lr_scales,
         )
-        return params, opt_state, jnp.stack([loss, finite.astype(jnp.float32)])
+        new_ema = {  # empty without --model_ema
+            n: e + (new_params[n].astype(jnp.float32) - e) * (1.0 - ema_decay)
+            for n, e in ema.items()
+        }
+        # A non-finite loss or gradient leaves weights, optimizer state and EMA as they were,
+        # with no host sync. (optax.apply_if_finite checks the gradients only, and applies
+        # updates again after max_consecutive_errors.)
+        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+        params, opt_state, ema = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_params, new_state, new_ema),
+            (params, opt_state, ema),
+        )
+        return params, opt_state, ema, jnp.stack([loss, finite.astype(jnp.float32)])
 
     def _jit_step(self):
         rep, data = P(), P(None, "data")
@@ -477,14 +507,22 @@ class JaxBackend:
             self._local_grads,
             mesh=self.mesh,
             check_vma=False,
-            in_specs=(rep, rep, data, data, rep),
+            in_specs=(rep, rep, data, rep),  # `data` splits every array of the batch
             out_specs=(rep, rep),
         )
         return jax.jit(
             functools.partial(self._step, grads_fn=grads_fn),
-            donate_argnums=(0, 1),
-            out_shardings=(self.param_shardings, self.opt_shardings, self.replicated),
+            donate_argnums=(0, 1, 2),
+            out_shardings=(
+                self.param_shardings,
+                self.opt_shardings,
+                self.ema_shardings(),
+                self.replicated,
+            ),
         )
+
+    def ema_shardings(self) -> dict:
+        return self.param_shardings if self.cfg.optim.model_ema else {}
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
         return iter(DevicePrefetcher(batches, self._put, self.cfg.compiler.device_prefetch))
@@ -497,14 +535,16 @@ class JaxBackend:
             )
         return tuple(jax.device_put(a, self.batch_sharding) for a in arrays)
 
-    def train_step(self, micro_batches: list[tuple], lr: float) -> jax.Array:
+    def train_step(
+        self, micro_batches: list[tuple], lr: float, ema_decay: float = 0.0
+    ) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
-        images = jnp.stack([m[0] for m in micro_batches])
-        targets = jnp.stack([m[1] for m in micro_batches])
-        args = (self.params, self.opt_state, self.buffers, images, targets, jnp.float32(lr))
+        batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
+        state = (self.params, self.opt_state, self.ema, self.buffers)
+        args = (*state, batch, jnp.float32(lr), jnp.float32(ema_decay))
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             try:
-                self.params, self.opt_state, result = self.step_fn(*args)
+                self.params, self.opt_state, self.ema, result = self.step_fn(*args)
             except (NotImplementedError, ValueError, RuntimeError) as err:
                 if not self.attention.flash_calls or self.step_fn._cache_size():
                     raise
@@ -512,7 +552,7 @@ class JaxBackend:
                 # backward or the compile: build the whole step on XLA's attention instead.
                 self.attention.give_up(err)
                 self.step_fn = self._jit_step()
-                self.params, self.opt_state, result = self.step_fn(*args)
+                self.params, self.opt_state, self.ema, result = self.step_fn(*args)
         return result
 
     @contextlib.contextmanager
@@ -531,16 +571,20 @@ class JaxBackend:
 
     # --- evaluation ---------------------------------------------------------------------------
     def _eval_sums(self, params, buffers, images, labels, mask):
-        logits = self.logits(params, buffers, images)
+        logits = self.logits(params, buffers, (images,))
         with self.env:  # the torch backends' own evaluation sums, lowered by torchax
             return self.torch_eval_sums(logits, labels, mask)
 
-    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
+    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
+        """With `ema`, the EMA's weights (in fp32) in place of the live ones."""
+        if ema and not self.ema:
+            raise ValueError("no EMA weights kept (--model_ema)")
+        params = self.ema if ema else self.params
         sums = jnp.zeros(4, jnp.float32)
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
                 arrays = self._put(tuple(batch[k] for k in ("images", "labels", "mask")))
-                sums = sums + self.eval_fn(self.params, self.buffers, *arrays)
+                sums = sums + self.eval_fn(params, self.buffers, *arrays)
         return summarise([float(x) for x in host_value(sums)])
 
     # --- state: by the torch model's parameter names, as the torch backends keep it --------
@@ -560,12 +604,18 @@ class JaxBackend:
             }
             for n in self.param_names
         }
-        return {"model": model, "optim": optim}
+        out = {"model": model, "optim": optim}
+        if self.ema:
+            out["ema"] = {n: to_torch(self.ema[n]).float() for n in self.param_names}
+        return out
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}
         self.params = jax.device_put(params, self.param_shardings)
+        if self.ema:  # a checkpoint without an EMA starts it from its weights
+            ema = state.get("ema", state["model"])
+            self.ema = self.ema_from({n: to_jax(ema[n]) for n in self.param_names})
         saved = state["optim"]
         adam = adam_state(self.optimizer.init(self.params))
         if saved:
@@ -613,6 +663,7 @@ class JaxBackend:
             "state_bytes": {
                 "params": device_bytes(self.params),
                 "optimizer": device_bytes(self.opt_state),
+                "ema": device_bytes(self.ema),
             },
             "persistent_cache": True,
             "persistent_cache_hits": int(spent.pop("cache_hits")),

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from accel.amp import AmpPolicy
-from accel.optim import weight_decay_groups
+from accel.optim import Settings, param_groups
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
@@ -86,21 +86,25 @@ class TorchCore:
     def attach(
         self,
         modules: list[nn.Module],
-        weight_decay: float,
+        settings: Settings,
         adamw: Callable[[list[dict]], torch.optim.Optimizer],
         classifier: list[nn.Parameter] = (),
+        ema: bool = False,
     ) -> None:
-        """Build the optimizer over the trainable parameters of `modules` (timm's weight-decay
-        split; a checkpoint names the state by parameter, so group order does not matter).
-        `classifier`: its parameters, whose share of the state is reported apart."""
+        """Build the optimizer over the trainable parameters of `modules` (any part of the
+        model), grouped by their weight decay and learning-rate scale (accel.optim: a checkpoint
+        names the state by parameter, so group order does not matter). `classifier`: its
+        parameters, whose share of the state is reported apart. `ema`: keep an exponential
+        moving average of the weights."""
         self.modules = modules
-        self.params = [p for m in modules for p in m.parameters() if p.requires_grad]
-        groups = weight_decay_groups(nn.ModuleList(modules), weight_decay)
+        named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         if self.separate_masters:
             self.master = {p: p.detach().float().clone().requires_grad_() for p in self.params}
-            groups = [{**g, "params": [self.master[p] for p in g["params"]]} for g in groups]
-        self.optimizer = adamw(groups)
+        self.optimizer = adamw(param_groups([(n, self.updated(p)) for n, p in named], settings))
         self.classifier = [self.updated(p) for p in classifier]
+        # fp32, laid out as the weights are (shards, rows, stages), starting as their copy.
+        self.ema = [self.updated(p).detach().float().clone() for p in self.params] if ema else []
 
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
@@ -119,13 +123,15 @@ class TorchCore:
     def backward(self, loss: torch.Tensor) -> None:
         self.scaler.scale(loss).backward()
 
-    def update(self, lr: float, loss: torch.Tensor, clip: float, norm_of: GradNorm) -> torch.Tensor:
-        """Clip and step, unless the loss or the gradients are not finite; returns whether the
-        update was applied (a device bool: every rank computes the same one)."""
+    def update(
+        self, lr: float, loss: torch.Tensor, clip: float, norm_of: GradNorm, ema_decay: float = 0.0
+    ) -> torch.Tensor:
+        """Clip and step (and the EMA), unless the loss or the gradients are not finite; returns
+        whether the update was applied (a device bool: every rank computes the same one)."""
         for p, m in self.master.items():
             m.grad = None if p.grad is None else p.grad.float()
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            group["lr"] = lr * group.get("lr_scale", 1.0)
         self.scaler.unscale_(self.optimizer)
         params = self.optimizer_params
         norm = norm_of(params)
@@ -140,10 +146,36 @@ class TorchCore:
         with torch.no_grad():
             for p, m in self.master.items():
                 p.copy_(m)
+            if self.ema:
+                self.update_ema(ema_decay, finite)
         self.optimizer.zero_grad(set_to_none=True)
         for module in self.modules:
             module.zero_grad(set_to_none=True)
         return finite
+
+    def update_ema(self, decay: float, finite: torch.Tensor) -> None:
+        """ema += (weights - ema) * (1 - decay), on the device with no host sync; a skipped
+        (non-finite) step leaves it as it was."""
+        weight = finite.float() * (1.0 - decay)
+        # Shards (DTensors) update their local parts: the EMA is laid out as the weights are.
+        ema = [_storage(e) for e in self.ema]
+        current = [_storage(self.updated(p).detach()).float() for p in self.params]
+        torch._foreach_lerp_(ema, current, [weight] * len(ema))
+
+    @contextlib.contextmanager
+    def ema_weights(self):
+        """The model's weights are the EMA's inside the block (for evaluation)."""
+        if not self.ema:
+            raise ValueError("no EMA weights kept (--model_ema)")
+        with torch.no_grad():
+            kept = [p.detach().clone() for p in self.params]
+            for p, e in zip(self.params, self.ema, strict=True):
+                p.copy_(e)
+            try:
+                yield
+            finally:
+                for p, k in zip(self.params, kept, strict=True):
+                    p.copy_(k)
 
     # --- state by name --------------------------------------------------------------------------
     def named_state(self) -> dict[str, Any]:
@@ -162,6 +194,9 @@ class TorchCore:
                 if state:
                     optim[name] = {k: v for k, v in state.items() if torch.is_tensor(v)}
         out = {"model": model, "optim": optim}
+        if self.ema:
+            names = {id(p): n for m in self.modules for n, p in m.named_parameters()}
+            out["ema"] = {names[id(p)]: e for p, e in zip(self.params, self.ema, strict=True)}
         if self.scaler.is_enabled():  # fp16 loss scaling: its scale and growth count
             out["scaler"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()}
         return out
@@ -176,14 +211,17 @@ class TorchCore:
             for name, moments in live["optim"].items():
                 for key, target in moments.items():
                     _copy(target, state["optim"][name][key])
+            for name, target in live.get("ema", {}).items():
+                # A checkpoint without an EMA starts it from its weights.
+                _copy(target, state.get("ema", state["model"])[name])
             for p, m in self.master.items():
                 p.copy_(m)
         if self.scaler.is_enabled() and "scaler" in state:
             self.scaler.load_state_dict({k: v.item() for k, v in state["scaler"].items()})
 
     def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds of weights, gradients and optimizer state (its shards where
-        split), read off the tensors while the gradients exist."""
+        """Bytes this rank holds of weights, gradients, optimizer state and EMA (its shards
+        where split), read off the tensors while the gradients exist."""
         held = self.params + list(self.master.values())
         moments = [v for s in self.optimizer.state.values() for v in s.values() if v.dim()]
         measured = {
@@ -191,6 +229,8 @@ class TorchCore:
             "grads": local_bytes([t.grad for t in held if t.grad is not None]),
             "optimizer": local_bytes(moments),
         }
+        if self.ema:
+            measured["ema"] = local_bytes(self.ema)
         head = self.classifier
         if head:  # the classifier's share: weights, gradients, AdamW moments
             head_moments = [v for q in head for v in self.optimizer.state[q].values()]

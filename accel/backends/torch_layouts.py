@@ -84,9 +84,9 @@ class Replicas:
     ) -> torch.Tensor:
         """Accumulate the gradients of the micro-batches; returns this rank's mean loss."""
         total = torch.zeros((), device=self.device)
-        for i, (images, targets) in enumerate(micro_batches):
+        for i, (images, targets, *extra) in enumerate(micro_batches):
             with self.sync(i == len(micro_batches) - 1), core.autocast():
-                loss = forward_loss(images, targets) / len(micro_batches)
+                loss = forward_loss(images, targets, *extra) / len(micro_batches)
             core.backward(loss)
             total += loss.detach()
         return total
@@ -198,12 +198,18 @@ class SplitHead(SplitLayout):
     def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
         """The head's rows (and their AdamW moments) as DTensors of the whole classifier."""
         names = self.head_names
-        model = {n: self.head.whole_view(t) if n in names else t for n, t in state["model"].items()}
+
+        def view(tensors: dict) -> dict:
+            return {n: self.head.whole_view(t) if n in names else t for n, t in tensors.items()}
+
         optim = {
             n: {k: self.head.whole_view(v) if n in names and v.dim() else v for k, v in s.items()}
             for n, s in state["optim"].items()
         }
-        return {**state, "model": model, "optim": optim}
+        views = {"model": view(state["model"]), "optim": optim}
+        if "ema" in state:
+            views["ema"] = view(state["ema"])
+        return {**state, **views}
 
     def classifier(self) -> list[nn.Parameter]:
         return list(self.head.parameters())
@@ -248,7 +254,7 @@ class Pipeline(SplitLayout):
         to infer shapes, and weight copies cached then would serve the training forwards."""
         total = torch.zeros((), device=self.device)
         first, last = 0 in self.plan.ids, self.plan.count - 1 in self.plan.ids
-        for images, targets in micro_batches:
+        for images, targets, *_ in micro_batches:  # no erasing rectangles: refused with --pp
             losses: list[torch.Tensor] = []
             args = (images,) if first else ()
             with core.autocast(cache=False):

@@ -40,6 +40,7 @@ from accel.backends.torch_core import TorchCore, local_norm
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.losses import eval_sums, soft_target_loss, summarise
+from accel.optim import parameter_settings
 from accel.parallel import effective_shard
 from models.factory import ModelConfig, create_model
 
@@ -113,6 +114,12 @@ def start_spmd(devices: int) -> None:
                 f"CPU_NUM_DEVICES is {have}"
             )
     xr.use_spmd()
+    # torch_xla's mark_sharding imports torchax (and flax) at its first call, whose import
+    # notices would land mid-run: import it now, with those notices dropped.
+    with quiet_imports():
+        from torch_xla._internal.jax_workarounds import maybe_get_torchax
+
+        maybe_get_torchax()
     found = xr.global_runtime_device_count()
     if found < devices:
         raise ConfigError(f"--nproc_per_node {devices}: the XLA runtime sees {found} devices")
@@ -138,10 +145,14 @@ def fallback_ops() -> dict[str, int]:
     return {name: met.counter_value(name) or 0 for name in met.executed_fallback_ops()}
 
 
-def record_shapes(batches: Iterable[Batch], shapes: set) -> Iterator[Batch]:
-    for images, targets in batches:
-        shapes.add((tuple(images.shape), tuple(targets.shape)))
-        yield images, targets
+BATCH_KEYS = ("images", "targets", "erase")  # a host batch's tensors, in order
+
+
+def keyed_batches(batches: Iterable[Batch], shapes: set) -> Iterator[dict]:
+    """Host batches as MpDeviceLoader takes them (dicts), recording their shapes."""
+    for batch in batches:
+        shapes.add(tuple(tuple(t.shape) for t in batch))
+        yield dict(zip(BATCH_KEYS, batch, strict=False))
 
 
 class ParamGroups:
@@ -235,7 +246,8 @@ class XlaBackend:
         # Device random draws (dropout, stochastic depth) differ between replicas.
         xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
         head = self.module.classifier_parameters()
-        self.core.attach([self.module], self.cfg.optim.weight_decay, self.adamw, head)
+        settings = parameter_settings(self.module, self.cfg.optim)
+        self.core.attach([self.module], settings, self.adamw, head, self.cfg.optim.model_ema)
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
@@ -250,23 +262,22 @@ class XlaBackend:
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """On a mesh, each global batch reaches the devices split along the mesh's axis."""
         compiler = self.cfg.compiler
-        keyed = ({"images": i, "targets": t} for i, t in record_shapes(batches, self.input_shapes))
         loader = pl.MpDeviceLoader(
-            keyed,
+            keyed_batches(batches, self.input_shapes),
             self.device,
             loader_prefetch_size=compiler.loader_prefetch,
             device_prefetch_size=compiler.device_prefetch,
             batches_per_execution=self.cfg.optim.grad_accum,
             input_sharding=self.batch_sharding(),
         )
-        return ((b["images"], b["targets"]) for b in loader)
+        return (tuple(b[k] for k in BATCH_KEYS if k in b) for b in loader)
 
     def batch_sharding(self) -> dict | None:
         if not self.spmd:
             return None
+        dims = {"images": 4, "targets": 2, "erase": 3}
         return {
-            "images": xs.ShardingSpec(self.mesh, (self.axis, None, None, None)),
-            "targets": xs.ShardingSpec(self.mesh, (self.axis, None)),
+            k: xs.ShardingSpec(self.mesh, (self.axis,) + (None,) * (n - 1)) for k, n in dims.items()
         }
 
     # --- the step -----------------------------------------------------------------------------
@@ -278,18 +289,22 @@ class XlaBackend:
         # torch_xla.amp.autocast does nothing off TPU in 2.9; torch.autocast('xla') works.
         return torch.autocast("xla", dtype=self.amp.dtype)
 
-    def train_step(self, micro_batches: list[Batch], lr: float) -> torch.Tensor:
+    def train_step(
+        self, micro_batches: list[Batch], lr: float, ema_decay: float = 0.0
+    ) -> torch.Tensor:
         """One graph: forward and backward of every micro-batch, the explicit gradient
-        all-reduce, clipping and the guarded update; returns [mean loss, applied]."""
+        all-reduce, clipping, the guarded update and the EMA's; returns [mean loss, applied]."""
         total = torch.zeros((), device=self.device)
-        for images, targets in micro_batches:
+        for images, targets, *extra in micro_batches:
             with self.autocast():
-                loss = soft_target_loss(self.forward(images), targets) / len(micro_batches)
+                logits = self.forward(images, *extra)
+                loss = soft_target_loss(logits, targets) / len(micro_batches)
             self.core.backward(loss)
             total += loss.detach()
         self.reduce_gradients()
         loss = self.all_reduce(total, mean=True)
-        applied = self.core.update(lr, loss, self.cfg.optim.clip_grad, self.grad_norm)
+        clip = self.cfg.optim.clip_grad
+        applied = self.core.update(lr, loss, clip, self.grad_norm, ema_decay)
         self.step_done()
         return torch.stack([loss, applied.float()])
 
@@ -323,8 +338,22 @@ class XlaBackend:
         rows = [handle.cpu().tolist() for handle in handles]
         return [StepResult(loss, applied > 0) for loss, applied in rows]
 
+    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
+        before = compile_count()
+        try:
+            if not ema:
+                return self._evaluate(batches)
+            with self.core.ema_weights():
+                self.reshard()
+                result = self._evaluate(batches)
+            self.reshard()
+            return result
+        finally:  # evaluation's own graphs (--eval_every) are not recompiles of the step
+            if self.compiles_at_warmup is not None:
+                self.compiles_at_warmup += compile_count() - before
+
     @torch.no_grad()
-    def evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
+    def _evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
         self.module.eval()
         sums = torch.zeros(4, device=self.device)
         for batch in batches:
@@ -333,7 +362,7 @@ class XlaBackend:
                 xs.mark_sharding(images, self.mesh, (self.axis, None, None, None))
             with self.autocast():
                 sums += eval_sums(self.forward(images), labels, mask)
-            self.step_done()
+            torch_xla.sync()
         self.module.train()
         sums = self.all_reduce(sums)
         torch_xla.sync()
@@ -345,11 +374,16 @@ class XlaBackend:
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.core.load_named_state(state)
-        if self.shard == "full":  # a copy into a parameter drops its sharding: FSDPv2's again
-            for param in self.module.parameters():
-                if param.dim():
-                    xs.mark_sharding(param, self.mesh, (self.axis,) + (None,) * (param.dim() - 1))
+        self.reshard()
         torch_xla.sync()
+
+    def reshard(self) -> None:
+        """A copy into a parameter drops its sharding: FSDPv2's again."""
+        if self.shard != "full":
+            return
+        for param in self.module.parameters():
+            if param.dim():
+                xs.mark_sharding(param, self.mesh, (self.axis,) + (None,) * (param.dim() - 1))
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         seed = xm.get_rng_state(self.device)  # an unsigned 64-bit seed: kept as two halves

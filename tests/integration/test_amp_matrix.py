@@ -1,9 +1,11 @@
-"""Every backend x AMP level x --kernel-opt, through the real training loop: finite losses, and
-inside the step the dtypes the level promises (matmul inputs and outputs, weights, optimizer)."""
+"""Every backend x AMP level x --kernel-opt, through the real training loop with --model_ema:
+finite losses, and inside the step the dtypes the level promises (matmul inputs and outputs,
+weights, optimizer; the EMA in fp32 at every level)."""
 
 from __future__ import annotations
 
 import functools
+import json
 import math
 import re
 import tempfile
@@ -24,6 +26,19 @@ MODELS = {
     "xla": ("vit_micro", "swin_micro"),
     "jax": ("vit_micro", "swin_micro"),
 }
+OPTS = ((False, "plain"), (True, "kernel_opt"))
+# vit_micro: every level with and without --kernel-opt. swin_micro (window attention, its
+# relative-position bias and shift mask, patch merging) adds the ops ViT lacks, at O0 (the
+# parity test's reference), O1 with --kernel-opt and O3 (the lowest precision).
+SWIN = (("O0", OPTS[0]), ("O1", OPTS[1]), ("O3", OPTS[0]))
+
+
+def _grid(model: str) -> tuple:
+    if model == "vit_micro":
+        return tuple((level, opt) for level in LEVELS for opt in OPTS)
+    return SWIN
+
+
 CASES = [
     pytest.param(
         backend,
@@ -35,8 +50,7 @@ CASES = [
     )
     for backend, models in MODELS.items()
     for model in models
-    for level in LEVELS
-    for kernel_opt, opt in ((False, "plain"), (True, "kernel_opt"))
+    for level, (kernel_opt, opt) in _grid(model)
 ]
 # torch and JAX names of the dtypes, as the stablehlo text writes them
 SHORT = {"torch.float32": "f32", "torch.bfloat16": "bf16", "float32": "f32", "bfloat16": "bf16"}
@@ -62,7 +76,8 @@ def _lowered_step(backend) -> str:
     batch = backend.cfg.batch_size
     images = jax.ShapeDtypeStruct((1, batch, 3, 32, 32), jnp.uint8)
     targets = jax.ShapeDtypeStruct((1, batch, 10), jnp.float32)
-    args = (backend.params, backend.opt_state, backend.buffers, images, targets, jnp.float32(0))
+    state = (backend.params, backend.opt_state, backend.ema, backend.buffers)
+    args = (*state, (images, targets), jnp.float32(0), jnp.float32(0))
     with attention_override(backend.env, backend.sdpa):
         return backend.step_fn.lower(*args).as_text()
 
@@ -86,23 +101,38 @@ def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bo
     """Five steps of the case; each one compiles once per session, whichever test asks first."""
     out = Path(tempfile.mkdtemp(prefix=f"amp-{backend}-"))
     cfg = micro_config(
-        out, backend=backend, model=model, amp_level=level, kernel_opt=kernel_opt, remat=remat
+        out,
+        backend=backend,
+        model=model,
+        amp_level=level,
+        kernel_opt=kernel_opt,
+        remat=remat,
+        model_ema=True,
+        model_ema_decay=0.5,
     )
     trainer = Trainer(cfg, DistContext())
     b = trainer.backend
     seen = {} if backend == "jax" else _linear_output_dtypes(b.core.modules[0])
     summary = trainer.train()
+    records = [json.loads(line) for line in (cfg.run_dir() / "metrics.jsonl").open()]
+    steps = [r for r in records if r["kind"] == "step"]
     common = {
         "losses": summary["losses"],
         "compiles_after_warmup": summary["compiles_after_warmup"],
+        # every step record carries its timing, read at the same fetch as its loss
+        "timed": len(steps) == 5
+        and all(r["step_time_s"] > 0 and r["images_per_sec"] > 0 for r in steps),
     }
     if backend == "jax":
         import jax
 
         weights = {SHORT[str(a.dtype)] for a in jax.tree.leaves(b.params)}
         text = _lowered_step(b)
+        ema = jax.tree.leaves(b.ema)
         return {
             **common,
+            "ema": {SHORT[str(a.dtype)] for a in ema},
+            "ema_finite": all(bool(jax.numpy.isfinite(a).all()) for a in ema),
             "step": _dot_operand_dtypes(text),
             "weights": weights,
             "optimizer": weights,  # optax updates the stored weights themselves
@@ -111,6 +141,9 @@ def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bo
         }
     return {
         **common,
+        "ema": {SHORT[str(e.dtype)] for e in b.core.ema},
+        # On the host: a check on the XLA device would count as an op run outside the graph.
+        "ema_finite": all(bool(e.cpu().isfinite().all()) for e in b.core.ema),
         "step": {SHORT[str(d)] for d in seen.values()},
         "weights": {SHORT[str(p.dtype)] for p in b.core.modules[0].parameters()},
         "optimizer": {SHORT[str(p.dtype)] for p in b.core.optimizer_params},
@@ -125,12 +158,14 @@ def test_each_level_trains_in_the_dtypes_it_promises(backend, model, level, kern
     case = train_case(backend, model, level, kernel_opt)
     assert len(case["losses"]) == 5 and all(math.isfinite(x) for x in case["losses"])
     assert case["compiles_after_warmup"] == 0
+    assert case["timed"]
     assert case["step"] == {LOW[level]}, "dtype of the step's matmuls"
     # The optimizer keeps fp32 weights below O3; jax computes from them directly (O1/O2 cast
     # inside the step), the torch backends hold a bf16 model at O2 and O3.
     assert case["optimizer"] == {"bf16" if level == "O3" else "f32"}
     model_low = level == "O3" or (level == "O2" and backend != "jax")
     assert case["weights"] == {"bf16" if model_low else "f32"}
+    assert case["ema"] == {"f32"} and case["ema_finite"]
     if backend == "jax":  # attention always traced through jax.nn.dot_product_attention
         assert case["attention_calls"]
 

@@ -22,6 +22,7 @@ pytestmark = pytest.mark.slow
 # on by default: its norm spans the stages.
 JOB = ("--model", "vit_micro_d4", "--steps", "6", "--batch_size", "8", "--workers", "0")
 JOB += ("--log_every", "1", "--save_every", "2", "--pp_microbatches", "4")
+JOB += ("--model_ema", "--model_ema_decay", "0.9")  # each stage's own EMA
 PIPELINE = ("--nproc_per_node", "2", "--pp", "2")
 
 
@@ -55,6 +56,7 @@ def test_stages_train_and_evaluate_as_the_single_process(runs, name, mesh):
     assert f"accel: mesh {mesh}" in stdout
     np.testing.assert_allclose(piped["losses"][:5], single["losses"][:5], rtol=1e-5)
     np.testing.assert_allclose(piped["eval_loss"], single["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(piped["eval_loss_ema"], single["eval_loss_ema"], rtol=1e-5)
     assert piped["global_batch_size"] == single["global_batch_size"] == 8
 
 
@@ -79,6 +81,8 @@ def test_four_stages_to_one_process_to_two_stages_evaluate_alike(runs, tmp_path)
     again = ("--resume", str(_checkpoint(tmp_path / "one", 6, "pt")))
     two, _ = _run(tmp_path / "two", *PIPELINE, *again)
     np.testing.assert_allclose(two["eval_loss"], piped["eval_loss"], rtol=1e-5)
+    for run in (single, two):  # each stage's EMA, carried whole through both reshardings
+        np.testing.assert_allclose(run["eval_loss_ema"], piped["eval_loss_ema"], rtol=1e-5)
     assert two["losses"] == single["losses"] == piped["losses"]  # the saved run's, carried
 
 

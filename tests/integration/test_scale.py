@@ -18,7 +18,9 @@ VITL = ("--model", "vit_large_patch16_224", "--img_size", "32", "--batch_size", 
 VITL += ("--num_classes", "10", "--synthetic_length", "64", "--workers", "0", "--no-eval")
 VITL += ("--log_every", "1", "--steps", "2")
 PP4 = ("--nproc_per_node", "4", "--pp", "4", "--pp_microbatches", "8")
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
+# Every schedule trains the unsplit losses in test_pipeline.py; at scale the question is memory,
+# asked of one schedule with one stage a rank and of the interleaved one with two.
+SCHEDULES = ("1f1b", "interleaved")
 
 
 def _checkpoint(output: Path, model: str, step: int) -> Path:

@@ -43,6 +43,7 @@ def test_fsdp_trains_the_ddp_losses_with_half_the_state_per_rank(eager_runs):
     assert _state_bytes(sharded) <= 0.55 * _state_bytes(ddp)
     assert sharded["state_bytes"]["grads"] <= 0.55 * ddp["state_bytes"]["grads"]
     np.testing.assert_allclose(sharded["eval_loss"], ddp["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(sharded["eval_loss_ema"], ddp["eval_loss_ema"], rtol=1e-5)
     saved = sorted(p.name for p in (output / "vit_micro/eager/r/checkpoints").iterdir())
     assert saved == ["step_00000002.dcp", "step_00000004.dcp", "step_00000006.dcp"]
 
@@ -52,7 +53,9 @@ def test_a_sharded_checkpoint_loads_into_one_unsharded_process(eager_runs, tmp_p
     2-rank checkpoint loads into it resharded, and evaluates to the same loss."""
     output, sharded = eager_runs["full"]
     last = output / "vit_micro/eager/r/checkpoints/step_00000006.dcp"
-    result = run_cli(*JOB, "--output", str(tmp_path), "--shard", "full", "--resume", str(last))
+    # The same global batch (2 ranks x 8 x 2 micro-steps), as a resume requires.
+    job = (*JOB, "--batch_size", "16", "--shard", "full", "--resume", str(last))
+    result = run_cli(*job, "--output", str(tmp_path))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "--shard full with world size 1: nothing to shard" in result.stderr
     assert "resuming at another world_size" in result.stderr
@@ -94,6 +97,7 @@ def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tm
     assert not (done.parents[1] / "summary.json").exists()  # killed before the end
     resumed = _run(tmp_path, "--nproc_per_node", "2", "--shard", "full", "--resume", "auto")
     assert resumed["losses"] == sharded["losses"]
+    assert resumed["eval_loss_ema"] == sharded["eval_loss_ema"]
 
 
 def test_jax_sharded_arrays_train_the_replicated_losses_with_half_the_state(tmp_path):

@@ -39,6 +39,7 @@ def test_tp_head_trains_the_single_process_losses(runs):
     assert "11 classes over tp 2: the classifier is padded to 12 rows" in stdout
     np.testing.assert_allclose(split["losses"][:5], single["losses"][:5], rtol=1e-5)
     np.testing.assert_allclose(split["eval_loss"], single["eval_loss"], rtol=1e-5)
+    np.testing.assert_allclose(split["eval_loss_ema"], single["eval_loss_ema"], rtol=1e-5)
     assert split["eval_acc"] == single["eval_acc"]  # top-1 from the shards' best
     assert split["tp_head"] == 2 and split["global_batch_size"] == single["global_batch_size"]
     classifier = split["state_bytes"]["classifier"] / single["state_bytes"]["classifier"]
@@ -59,6 +60,7 @@ def test_tp_checkpoint_holds_the_whole_classifier_and_resumes_exactly(runs, tmp_
     saved = checkpoint_tensors(checkpoints / "step_00000006.dcp")
     assert saved["model.model.head.weight"].shape == (11, 64)  # the padding row left out
     assert saved["optim.model.head.weight.exp_avg"].shape == (11, 64)
+    assert saved["ema.model.head.weight"].shape == (11, 64)
     plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.dcp"))
     np.testing.assert_allclose(plain["eval_loss"], split["eval_loss"], rtol=1e-5)
     resumed, _ = _run(
@@ -67,6 +69,7 @@ def test_tp_checkpoint_holds_the_whole_classifier_and_resumes_exactly(runs, tmp_
         *("--resume", str(checkpoints / "step_00000002.dcp")),
     )
     assert resumed["losses"] == split["losses"]
+    assert resumed["eval_loss_ema"] == split["eval_loss_ema"]
 
 
 def test_a_split_head_checkpoint_reshards_into_fsdp_and_back(runs, tmp_path):

@@ -8,7 +8,7 @@ from accel.backends.xla import XlaBackend, check_versions, compile_count
 from accel.distributed import DistContext
 from accel.train import Trainer
 from data.config import MixupConfig
-from tests.helpers import micro_config, run_cli, run_cli_without
+from tests.helpers import micro_config, run_cli_without, train_cli
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 # Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
@@ -118,18 +118,13 @@ def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
 
 
 @XLA
-def test_more_than_one_cpu_replica_is_refused(tmp_path):
-    result = run_cli(
-        "--backend",
-        "xla",
-        "--nproc_per_node",
-        "2",
-        "--steps",
-        "1",
-        "--output",
-        str(tmp_path),
-        timeout=120,
+def test_evaluating_between_epochs_is_not_a_recompile(tmp_path):
+    """--eval_every compiles evaluation graphs mid-run; --max_recompiles 0 counts only the
+    training step's."""
+    summary, _ = train_cli(
+        tmp_path,
+        *("--backend", "xla", "--epochs", "2", "--synthetic_length", "64", "--batch_size", "16"),
+        *("--workers", "0", "--eval_every", "1", "--max_recompiles", "0"),
     )
-    assert result.returncode == 2, result.stderr[-2000:]
-    assert "one replica on PJRT CPU" in result.stderr
-    assert not list(tmp_path.glob("**/summary.json"))
+    assert [e["epoch"] for e in summary["evals"]] == [1, 2]
+    assert summary["compiles_after_warmup"] == 0

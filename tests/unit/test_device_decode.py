@@ -69,7 +69,7 @@ def test_mix_plan_mixes_like_timms_fast_collate_mixup():
     for batch in range(8):
         images = rng.integers(0, 256, (6, 3, 16, 16), dtype=np.uint8)
         keys = [SampleKey(i, 0, batch) for i in range(6)]
-        samples = [(torch.from_numpy(images[i]), i % 5, (), keys[i]) for i in range(6)]
+        samples = [(torch.from_numpy(images[i]), i % 5, (), keys[i], None) for i in range(6)]
         host = collate(samples)
         plan = collate.mix_plan(keys[0], (6, 3, 16, 16))
         kinds.add(plan.box is not None)
@@ -113,3 +113,35 @@ def test_data_device_gpu_where_it_cannot_work_is_refused(tmp_path, source, backe
         resolve_decode_on(cfg, gpu_decoding)
     cfg = replace_path(cfg, "data.data_device", "auto")
     assert resolve_decode_on(cfg, gpu_decoding) == ("workers", None)
+
+
+AUGMENT = {
+    "aa": "rand-m9-mstd0.5-inc1",
+    "reprob": 0.5,
+    "recount": 2,
+    "scale": (0.3, 1.0),
+    "vflip": 0.3,
+    "train_interpolation": "random",
+}
+
+
+@pytest.mark.parametrize("decode_on", ["workers", "cpu"], ids=["cpu-decode", "device-decode"])
+def test_augmented_batches_are_the_same_with_workers_and_after_a_resume(dirty_imagenet, decode_on):
+    """RandAugment, erasing, crops and flips drawn per sample from its key: the same batches
+    with 0 or 2 workers and from a resumed epoch, on both decode paths."""
+    reference = _epoch(dirty_imagenet, decode_on, mixup=MIX, **AUGMENT)
+    with_workers = _epoch(dirty_imagenet, decode_on, workers=2, mixup=MIX, **AUGMENT)
+    resumed = _epoch(dirty_imagenet, decode_on, start_batch=3, mixup=MIX, **AUGMENT)
+    plain = _epoch(dirty_imagenet, decode_on, mixup=MIX)
+    pairs = [*zip(with_workers, reference, strict=True), *zip(resumed, reference[3:], strict=True)]
+    for got, want in pairs:
+        for key in ("images", "targets", "erase"):
+            assert torch.equal(got[key], want[key]), key
+    assert "erase" not in plain[0]
+    boxes = torch.cat([b["erase"] for b in reference])
+    erased = (boxes[..., 1] > boxes[..., 0]).any(-1).float().mean()
+    assert 0.2 < erased < 0.8  # about --reprob 0.5 of the samples carry a rectangle
+    changed = [
+        not torch.equal(a["images"], b["images"]) for a, b in zip(reference, plain, strict=True)
+    ]
+    assert all(changed)

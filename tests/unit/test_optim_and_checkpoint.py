@@ -12,7 +12,7 @@ from accel.checkpoint import (
     write_file,
 )
 from accel.config import OptimConfig
-from accel.optim import LRSchedule, decay_mask
+from accel.optim import LRSchedule, parameter_settings
 from models.factory import ModelConfig, create_model
 
 
@@ -27,10 +27,11 @@ def test_schedule_warms_up_then_decays_to_min():
 
 
 def test_no_weight_decay_on_norms_and_biases():
-    mask = decay_mask(create_model(ModelConfig("vit_micro")))
-    assert mask["model.blocks.0.attn.qkv.weight"] is True
-    assert mask["model.blocks.0.attn.qkv.bias"] is False
-    assert mask["model.blocks.0.norm1.weight"] is False
+    settings = parameter_settings(create_model(ModelConfig("vit_micro")), OptimConfig())
+    assert settings["model.blocks.0.attn.qkv.weight"] == (1.0, 0.05)
+    assert settings["model.blocks.0.attn.qkv.bias"] == (1.0, 0.0)
+    assert settings["model.blocks.0.norm1.weight"] == (1.0, 0.0)
+    assert settings["model.pos_embed"] == (1.0, 0.0)  # timm's no_weight_decay() list
 
 
 def _save(run_dir, step: int, keep: int = 2) -> None:

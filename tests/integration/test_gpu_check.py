@@ -1,0 +1,50 @@
+"""bench/gpu_check.py --smoke: every stage of the GPU check on CPU with the micro models, within
+its stages' budgets (90 s in all), the GPU-only parts reported as skipped."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import ROOT
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, str]:
+    folder = tmp_path_factory.mktemp("gpu-check")
+    cmd = [sys.executable, "bench/gpu_check.py", "--smoke", "--results", str(folder)]
+    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=240)
+    record = json.loads((folder / "gpu-check-smoke.json").read_text())
+    return done, record, (folder / "gpu-check-smoke.md").read_text()
+
+
+def test_every_stage_finishes_within_its_budget(smoke):
+    done, record, markdown = smoke
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert set(record["stages"]) == {"tests", "bench", "data"}
+    assert "unfinished" not in done.stdout and "unfinished" not in markdown
+    assert record["device"] == "CPU" and record["versions"]["torchax"]
+    assert done.stdout.startswith("gpu_check: torch ")  # the versions, first
+
+
+def test_the_gpu_tier_is_collected_and_skipped_with_its_reason(smoke):
+    tests = smoke[1]["stages"]["tests"]
+    assert tests["exit_code"] == 0 and tests["counts"]["skipped"] >= 6
+    assert set(tests["counts"]) == {"skipped"}
+    assert any("CUDA" in line for line in tests["lines"] if "skipped because" in line)
+
+
+def test_bench_and_data_stages_measure_each_backend(smoke):
+    rows = smoke[1]["stages"]["bench"]["rows"]
+    assert sorted((r["model"], r["backend"]) for r in rows) == [
+        ("vit_micro", "eager"),
+        ("vit_micro", "jax"),
+    ]
+    assert all(r["images_per_sec"] > 0 and r["loop_efficiency"] > 0 for r in rows)
+    data = smoke[1]["stages"]["data"]
+    assert [(r["backend"], r["ok"]) for r in data["rows"]] == [("eager", True), ("jax", True)]
+    assert all(0 <= r["data_wait_fraction"] <= 1 for r in data["rows"])
+    assert "skipped: --data_device gpu (no CUDA device)" in data["lines"]

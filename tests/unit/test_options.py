@@ -1,0 +1,44 @@
+"""An option is declared once, in its dataclass: the parser, the config, config.json, the range
+check and the resume check all follow from that one declaration."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+
+import accel.cli
+import accel.config
+from accel.config import ConfigError, OptimConfig, RunConfig, check_ranges, option, resume_keys
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimWithProbe(OptimConfig):
+    probe_depth: int = option(3, "a new option, declared here only", min=1, resume="same")
+
+
+@dataclasses.dataclass(frozen=True)
+class RunWithProbe(RunConfig):
+    optim: OptimWithProbe = dataclasses.field(default_factory=OptimWithProbe)
+
+
+@pytest.fixture
+def probe(monkeypatch):
+    monkeypatch.setattr(accel.cli, "RunConfig", RunWithProbe)
+    monkeypatch.setattr(accel.config, "RunConfig", RunWithProbe)
+
+
+def parse(*argv: str) -> RunConfig:
+    return accel.cli.config_from_args(accel.cli.build_parser().parse_args(list(argv)))
+
+
+def test_an_option_declared_once_reaches_every_place(probe, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    assert "--probe_depth PROBE_DEPTH" in accel.cli.build_parser().format_help()
+    cfg = parse("--probe_depth", "5")
+    assert cfg.optim.probe_depth == 5 and parse().optim.probe_depth == 3
+    assert json.loads(cfg.to_json())["optim"]["probe_depth"] == 5
+    assert "optim.probe_depth" in resume_keys()
+    with pytest.raises(ConfigError, match="--probe_depth"):
+        check_ranges(parse("--probe_depth", "0"))
