@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import warnings
@@ -53,14 +54,18 @@ SPAWNED = "ACCEL_SPAWNED"  # set for the ranks this launcher starts
 
 
 def job_exit_code(failures: dict[int, object]) -> tuple[int, list[int]]:
-    """The job's exit code and the failed ranks, those that failed on their own first. A rank
-    stopped by the launcher (a negative code: the signal), or failing with 1 because a peer's
-    collective broke, did not fail on its own; of the others, the first to fail decides."""
+    """The job's exit code and the failed ranks, those that failed on their own first: one of
+    our exit codes, then any failure but the SIGTERM the launcher sends to the survivors (torch
+    2.15 may record that before the failure that caused it), each group by time."""
 
     def own(f) -> bool:
         return f.exitcode in EXIT_CODES
 
-    order = sorted(failures, key=lambda r: (not own(failures[r]), failures[r].timestamp, r))
+    def rank_key(r: int) -> tuple:
+        f = failures[r]
+        return (not own(f), f.exitcode == -signal.SIGTERM, f.timestamp, r)
+
+    order = sorted(failures, key=rank_key)
     first = failures[order[0]]
     return (first.exitcode if own(first) else 1), order
 

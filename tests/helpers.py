@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import psutil
+
 from accel.config import RunConfig, leaf_fields, replace_path
 from data.config import DataConfig
 from models.factory import ModelConfig
@@ -141,3 +143,17 @@ def backend_tensors(backend) -> dict:
     from accel.checkpoint import to_cpu
 
     return flat_tensors(to_cpu(backend.checkpoint_state()))
+
+
+def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
+    """The launcher's process of `rank`, once started; children that come and go while it
+    looks (the loader's short-lived helpers) are passed over."""
+    for child in launcher.children(recursive=True):
+        try:
+            if child.environ().get("RANK") == rank and "accel.launch_single_task" in " ".join(
+                child.cmdline()
+            ):
+                return child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return None

@@ -8,19 +8,7 @@ import time
 import psutil
 
 from data.prepare import prepare_mock_imagenet
-from tests.helpers import run_cli, start_cli
-
-
-def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
-    for child in launcher.children(recursive=True):
-        try:
-            if child.environ().get("RANK") == rank and "accel.launch_single_task" in " ".join(
-                child.cmdline()
-            ):
-                return child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return None
+from tests.helpers import rank_process, run_cli, start_cli
 
 
 def test_killing_one_rank_ends_the_job_naming_it(tmp_path):

@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import read_summary, run_cli, start_cli
+from tests.helpers import rank_process, read_summary, run_cli, start_cli
 
 JOB = ("--steps", "6", "--batch_size", "8", "--workers", "0", "--no-eval", "--log_every", "1")
 
@@ -150,8 +150,7 @@ def test_sigkill_of_one_rank_leaves_none_of_its_processes(tmp_path):
     rank = None
     while rank is None or len(_tree(rank.pid)) < 4:
         assert proc.poll() is None and time.monotonic() < deadline
-        ranks = [c for c in launcher.children(recursive=True) if c.environ().get("RANK") == "1"]
-        rank = next((r for r in ranks if "launch_single_task" in " ".join(r.cmdline())), None)
+        rank = rank_process(launcher, "1")
         time.sleep(0.2)
     tree = _tree(rank.pid)
     rank.send_signal(signal.SIGKILL)

@@ -22,6 +22,8 @@ def _failures(*ranks: tuple[int, int]) -> dict:
         (((1, 4), (2, 5)), 2, 1),  # a peer's broken collective (1) failed earlier
         (((4, 3), (2, 5)), 4, 0),  # two of ours: the first to fail
         (((-9, 3), (-15, 4)), 1, 0),  # killed from outside: no code of ours
+        (((-15, 3), (-9, 4)), 1, 1),  # the survivor's SIGTERM recorded before the kill
+        (((-15, 3), (1, 4)), 1, 1),  # a rank raised; its peer was stopped
         (((1, 3), (1, 3)), 1, 0),
     ],
 )
