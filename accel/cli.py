@@ -9,7 +9,7 @@ import types
 import typing
 from typing import Any
 
-from accel.config import RunConfig, flag_of, from_dict, leaf_fields
+from accel.config import RunConfig, flag_of, from_dict, leaf_fields, set_nested
 from accel.recipes import apply_recipe
 
 # Help sections, in order: a nested config's fields go under its title, a top-level field under
@@ -98,9 +98,5 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     for dotted, value in vars(args).items():
         if "." not in dotted and dotted in ("compare", "backends"):
             continue
-        keys = dotted.split(".")
-        node = nested
-        for key in keys[:-1]:
-            node = node.setdefault(key, {})
-        node[keys[-1]] = value
+        set_nested(nested, dotted, value)
     return from_dict(RunConfig, apply_recipe(nested))

@@ -223,6 +223,17 @@ def get_path(cfg: Any, dotted: str) -> Any:
     return cfg
 
 
+def set_nested(nested: dict, dotted: str, value: Any, keep: bool = False) -> None:
+    """Set a dotted key in a nested dict of options (`keep`: unless it is already set)."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        nested = nested.setdefault(key, {})
+    if keep:
+        nested.setdefault(leaf, value)
+    else:
+        nested[leaf] = value
+
+
 def replace_path(cfg: Any, dotted: str, value: Any) -> Any:
     """A copy of a frozen config with one (nested) field changed."""
     head, _, rest = dotted.partition(".")

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from accel.config import RunConfig, from_dict, get_path, global_batch
+from accel.config import RunConfig, from_dict, get_path, global_batch, set_nested
 
 
 @dataclass(frozen=True)
@@ -92,13 +92,6 @@ RECIPES = {
 }
 
 
-def _set(nested: dict, dotted: str, value: Any) -> None:
-    *parents, leaf = dotted.split(".")
-    for key in parents:
-        nested = nested.setdefault(key, {})
-    nested.setdefault(leaf, value)  # an option given explicitly wins
-
-
 def _given(nested: dict, dotted: str) -> bool:
     for key in dotted.split("."):
         if not isinstance(nested, dict) or key not in nested:
@@ -118,10 +111,10 @@ def apply_recipe(nested: dict) -> dict:
     if _given(nested, "steps"):  # --steps sets the length: the recipe's epochs step aside
         nested.setdefault("epochs", None)
     for dotted, value in recipe.values.items():
-        _set(nested, dotted, value)
+        set_nested(nested, dotted, value, keep=True)  # an option given explicitly wins
     if not lr_given:
         batch = global_batch(from_dict(RunConfig, nested))
-        _set(nested, "optim.lr", recipe.base_lr * batch / recipe.base_batch)
+        set_nested(nested, "optim.lr", recipe.base_lr * batch / recipe.base_batch)
     return nested
 
 
