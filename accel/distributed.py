@@ -3,6 +3,7 @@ or Slurm's srun (one task a rank)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass
@@ -67,8 +68,27 @@ def init_process_group(ctx: DistContext, timeout_s: float = 300) -> None:
 
 
 def destroy_process_group() -> None:
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    """Free the process groups now, with their gloo threads joined.
+
+    Left to the interpreter's teardown, gloo's threads can outlive Python and abort the process
+    ("terminate called without an active exception"). A finished trainer lives on in reference
+    cycles, and its modules (DDP's reducer, FSDP's mesh) hold the groups."""
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    dist.destroy_process_group()
+    _release_cached_meshes()
+
+
+def _release_cached_meshes() -> None:
+    """DTensor's sharding caches keep every device mesh alive to the end, and in newer torch
+    (2.15) a mesh holds its process groups in `_pg_registry`; torch offers no call to drop
+    either."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    for obj in gc.get_objects():
+        if type(obj) is DeviceMesh:  # isinstance would run torch's custom-class checks on all
+            getattr(obj, "_pg_registry", {}).clear()
 
 
 def collective_device() -> torch.device:

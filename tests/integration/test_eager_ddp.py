@@ -7,7 +7,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from accel.backends.eager import EagerBackend
-from accel.distributed import DistContext
+from accel.distributed import DistContext, destroy_process_group
 from tests.helpers import micro_config, read_summary, run_cli
 
 
@@ -33,7 +33,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, tmp_path, out_file: str) 
     grads = _gradients(tmp_path, DistContext(rank, rank, world), [(images[shard], targets[shard])])
     if rank == 0:
         torch.save(grads, out_file)
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def test_two_process_ddp_gradients_equal_one_process_on_the_whole_batch(tmp_path):

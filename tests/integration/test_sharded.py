@@ -16,6 +16,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from accel.amp import amp_policy
+from accel.distributed import destroy_process_group
 from accel.parallel import fsdp
 from models.factory import ModelConfig, create_model
 from tests import nan_model
@@ -139,7 +140,7 @@ def _nan_rank(rank: int, cfg, port: int) -> None:
     try:
         Trainer(cfg, ctx).train()
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_white_image):
@@ -164,7 +165,7 @@ def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_whit
 def one_rank_group():
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
     yield
-    dist.destroy_process_group()
+    destroy_process_group()
 
 
 def test_blocks_are_found_per_model_and_a_model_without_them_is_wrapped_whole(one_rank_group):

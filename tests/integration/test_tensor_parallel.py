@@ -13,6 +13,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from accel.backends.torch_core import local_bytes
+from accel.distributed import destroy_process_group
 from accel.parallel import tp_head
 from accel.parallel.mesh import MeshLayout
 from tests.helpers import checkpoint_tensors, train_cli
@@ -141,7 +142,7 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
         }
         (result / f"rank{rank}.json").write_text(json.dumps(record))
     finally:
-        dist.destroy_process_group()
+        destroy_process_group()
 
 
 def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path):
