@@ -6,6 +6,8 @@ import pytest
 
 from tests.helpers import run_python
 
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="counts /proc/self/task")
+
 # As at the end of a run: the trainer's modules hold the group in a reference cycle, and DTensor's
 # caches hold a device mesh (which, in newer torch, holds its groups) for good.
 HELD = """
@@ -32,9 +34,6 @@ def _threads(tmp_path, destroy: str, mesh: bool) -> tuple[int, int]:
     assert result.returncode == 0, result.stderr[-2000:]
     before, after = map(int, result.stdout.split()[-2:])
     return before, after
-
-
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="counts /proc/self/task")
 
 
 def test_torch_leaves_gloo_threads_held_in_a_cycle_to_the_teardown(tmp_path):
