@@ -190,19 +190,23 @@ def run(argv: list[str]) -> int:
             return code
     else:
         train_here(cfg, ctx, processes)
-    if speaks and cfg.eval_only:
-        summary = json.loads((cfg.run_dir() / "summary.json").read_text())
-        print(
-            f"accel: top-1 {summary['eval_acc']:.4f}, top-5 {summary['eval_acc5']:.4f}, "
-            f"loss {summary['eval_loss']:.4f}; summary in {cfg.run_dir() / 'summary.json'}"
-        )
-    elif speaks:
-        summary = json.loads((cfg.run_dir() / "summary.json").read_text())
-        print(
-            f"accel: {summary['images_per_sec']:.1f} img/s ({cfg.backend}, {cfg.model.name}, "
-            f"world size {summary['world_size']}); summary in {cfg.run_dir() / 'summary.json'}"
-        )
+    if speaks:
+        print(f"accel: {outcome(cfg)}; summary in {cfg.run_dir() / 'summary.json'}")
     return 0
+
+
+def outcome(cfg: RunConfig) -> str:
+    """The finished run's result in a few words, read from its summary.json."""
+    summary = json.loads((cfg.run_dir() / "summary.json").read_text())
+    if cfg.eval_only:
+        return (
+            f"top-1 {summary['eval_acc']:.4f}, top-5 {summary['eval_acc5']:.4f}, "
+            f"loss {summary['eval_loss']:.4f}"
+        )
+    return (
+        f"{summary['images_per_sec']:.1f} img/s ({cfg.backend}, {cfg.model.name}, "
+        f"world size {summary['world_size']})"
+    )
 
 
 def one_line(err: BaseException) -> str:

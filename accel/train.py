@@ -253,7 +253,7 @@ class Trainer:
             self.tracker = SkipTracker(self.state, self.logger)
             shard = (self.data_rank, self.data_ranks)
             self.evaluate = Evaluator(
-                self.cfg, self.backend, self.image_size, self.host_batch, shard, self.tracked
+                self.cfg, self.backend, self.image_size, self.host_batch, shard, self.tracker.track
             )
             try:
                 return self._train()
@@ -264,9 +264,6 @@ class Trainer:
         finally:
             if lock:
                 lock.release()
-
-    def tracked(self, loader: Iterable[dict]) -> Iterator[dict]:
-        return self.tracker.track(loader)
 
     def _train(self) -> dict[str, Any]:
         self.resume()
@@ -341,11 +338,15 @@ class Trainer:
         batches = len(self.loader.batch_sampler)
         return round(self.state.epoch + self.state.batch_in_epoch / batches, 3)
 
+    def _eval_record(self, results: dict[str, float]) -> dict[str, Any]:
+        """An evaluation's results with where in training they were taken."""
+        return {"epoch": self.epochs_done(), "step": self.state.step, **results}
+
     def _evaluate_epoch(self) -> None:
         """--eval_every: an evaluation between epochs, logged and kept for the summary."""
         self.flush()
         t = time.perf_counter()
-        results = {"epoch": self.epochs_done(), "step": self.state.step, **self.evaluate()}
+        results = self._eval_record(self.evaluate())
         if self.state.step > self.timer.warm_step:
             self.timer.eval_s += time.perf_counter() - t
         self.state.evals.append(results)
@@ -402,7 +403,7 @@ class Trainer:
         if self.cfg.eval:
             final = self.evaluate()
             summary.update(final)
-            self.state.evals.append({"epoch": self.epochs_done(), "step": self.state.step, **final})
+            self.state.evals.append(self._eval_record(final))
         summary["evals"] = self.state.evals
         summary["skipped_images"] = len(self.state.skipped)  # after evaluation's skips too
         # Every rank's memory, construction, training, checkpoints and evaluation included.
