@@ -50,16 +50,15 @@ def markdown_table(table: list[dict[str, Any]], columns: tuple[str, ...] = TABLE
     return "\n".join(lines)
 
 
-def write_csv(runs: list[Run], path: Path) -> None:
-    speedups = {}
-    for row in aggregate(runs):
-        speedups[(row["config"], row["backend"])] = row["images_per_sec"]
+def write_csv(runs: list[Run], table: list[dict[str, Any]], path: Path) -> None:
+    """Every run's row, its speed-up taken against eager's median (from `table`) of its job."""
+    eager = {row["config"]: row["images_per_sec"] for row in table if row["backend"] == "eager"}
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=RUN_COLUMNS)
         writer.writeheader()
         for run in runs:
             row = run_row(run)
-            base = speedups.get((run.config, "eager"))
+            base = eager.get(run.config)
             row["speedup"] = (
                 row["images_per_sec"] / base if base and row["images_per_sec"] else None
             )
@@ -110,7 +109,7 @@ def write_report(root: Path, out: Path) -> tuple[list[dict[str, Any]], list[str]
         raise ValueError(f"no finished runs under {root}: accel-report expects {LAYOUT}")
     out.mkdir(parents=True, exist_ok=True)
     table = aggregate(runs)
-    write_csv(runs, out / "report.csv")
+    write_csv(runs, table, out / "report.csv")
     pictures = save_figures(runs, table, out)
     notes = "".join(f"- {p}\n" for p in problems)
     images = "\n\n".join(f"![{p.stem}]({p.name})" for p in pictures)
