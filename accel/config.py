@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from data.config import DataConfig
-from models.factory import ModelConfig
+from accel.data.config import DataConfig
+from accel.models.factory import ModelConfig
 
 BACKENDS = ("eager", "compile", "xla", "jax")
 AMP_LEVELS = ("O0", "O1", "O2", "O3")

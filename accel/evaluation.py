@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from accel.backends import Backend
 from accel.config import RunConfig
-from data.loaders import build_eval_loader
+from accel.data.loaders import build_eval_loader
 
 EMA_SUFFIX = "_ema"
 

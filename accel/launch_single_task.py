@@ -22,6 +22,9 @@ from accel.backends.base import BackendUnavailable, RecompileError  # noqa: E402
 from accel.checkpoint import flatten  # noqa: E402
 from accel.cli import build_parser, config_from_args  # noqa: E402
 from accel.config import ConfigError, RunConfig  # noqa: E402
+from accel.data.augment import AugmentError  # noqa: E402
+from accel.data.folder import BadImageError, DatasetError  # noqa: E402
+from accel.data.lifetime import exit_with_parent  # noqa: E402
 from accel.distributed import (  # noqa: E402
     DistContext,
     destroy_process_group,
@@ -29,13 +32,10 @@ from accel.distributed import (  # noqa: E402
     init_process_group,
     launched_by_torchrun,
 )
+from accel.models.factory import ModelError  # noqa: E402
+from accel.models.pretrained import PretrainedError  # noqa: E402
 from accel.resolve import resolve  # noqa: E402
 from accel.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
-from data.augment import AugmentError  # noqa: E402
-from data.folder import BadImageError, DatasetError  # noqa: E402
-from data.lifetime import exit_with_parent  # noqa: E402
-from models.factory import ModelError  # noqa: E402
-from models.pretrained import PretrainedError  # noqa: E402
 
 USER_ERRORS = (
     ConfigError,
@@ -231,7 +231,7 @@ def one_line_warnings() -> None:
 
     if getattr(warnings.showwarning, "one_line", False):  # main() may run more than once
         return
-    ours = tuple(str(Path(__file__).resolve().parents[1] / pkg) for pkg in ("accel", "data"))
+    ours = str(Path(__file__).resolve().parent)
     usual = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:

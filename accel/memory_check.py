@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 
 from accel.config import ConfigError, RunConfig
-from models.factory import create_model
+from accel.models.factory import create_model
 
 GIB = 2**30
 

@@ -13,17 +13,17 @@ from accel.backends import check_supported
 from accel.backends.base import BackendModule
 from accel.checkpoint import latest_checkpoint, read_meta, resume_mismatches, saved_config
 from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, data_replicas, validate
+from accel.data.augment import check_augment
+from accel.data.config import DataConfig
+from accel.data.folder import count_images
+from accel.data.loaders import folder_num_classes
 from accel.memory_check import check_memory
+from accel.models.factory import check_input_size, check_model_name, create_model, meta_model
+from accel.models.pretrained import fit, read_state_dict, source_of
 from accel.parallel.mesh import describe_mesh
 from accel.parallel.pipeline import is_vit, stages_per_rank
 from accel.recipes import describe
 from accel.runs import check_free, latest_resumable, new_run_name
-from data.augment import check_augment
-from data.config import DataConfig
-from data.folder import count_images
-from data.loaders import folder_num_classes
-from models.factory import check_input_size, check_model_name, create_model, meta_model
-from models.pretrained import fit, read_state_dict, source_of
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 
@@ -128,7 +128,7 @@ def resolve_decode_on(cfg: RunConfig, gpu_decoding: bool = True) -> tuple[str, s
         raise ConfigError(f"--data_device gpu: {reason}")
     if reason:
         return "workers", None
-    from data.jpeg_decoders import decoding_error
+    from accel.data.jpeg_decoders import decoding_error
 
     refused = decoding_error(torch.device("cuda"))
     if refused:

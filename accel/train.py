@@ -24,6 +24,7 @@ from accel.checkpoint import (
     storage_error,
 )
 from accel.config import ConfigError, RunConfig
+from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext, all_gather_ints
 from accel.evaluation import Evaluator
 from accel.flops import train_flops_per_image
@@ -35,12 +36,11 @@ from accel.metrics import (
     steady_images_per_sec,
     utilisation,
 )
+from accel.models.factory import input_size
 from accel.optim import EmaDecay, LRSchedule
 from accel.runs import RunLock
 from accel.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
 from accel.versions import stack
-from data.loaders import build_train_loader
-from models.factory import input_size
 
 
 @dataclass

@@ -23,7 +23,7 @@ import torch  # noqa: E402
 from accel.backends import create_backend  # noqa: E402
 from accel.config import RunConfig  # noqa: E402
 from accel.distributed import DistContext  # noqa: E402
-from models.factory import ModelConfig, input_size  # noqa: E402
+from accel.models.factory import ModelConfig, input_size  # noqa: E402
 
 
 def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int) -> float:

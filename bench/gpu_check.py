@@ -144,7 +144,7 @@ def run(cmd: list[str], budget: Budget, env: dict, part: str) -> tuple[int | Non
 
 
 # --- stages -----------------------------------------------------------------------------------
-def stage_tests(smoke: bool, env: dict, budget: Budget) -> dict:
+def stage_tests(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dict:
     """The GPU tier: each test passes on CUDA, or is skipped with its reason elsewhere."""
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider"]
     code, output = run([*cmd, "tests/gpu"], budget, env, "pytest -m gpu")
@@ -158,14 +158,15 @@ def stage_tests(smoke: bool, env: dict, budget: Budget) -> dict:
     return {"exit_code": code, "counts": counts, "lines": lines}
 
 
-def stage_bench(smoke: bool, env: dict, budget: Budget) -> dict:
-    """Each backend's loop and its fed step (bench/compare_backends.py), two launches."""
+def stage_bench(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dict:
+    """Each backend's loop and its fed step (bench/compare_backends.py); `launches` of each job
+    (a second shows what the compile caches save)."""
     if smoke:
         jobs = [("vit_micro", "eager,jax", "16", "1", "O0")]  # the harness, not the numbers
     else:
         jobs = [
             ("vit_base_patch16_224,swin_tiny_patch4_window7_224", "eager,compile,jax", "128",
-             "2", "O1"),
+             str(launches), "O1"),
             ("vit_base_patch16_224,swin_tiny_patch4_window7_224", "jax", "256", "1", "O1"),
         ]  # fmt: skip
     rows, lines = [], []
@@ -203,11 +204,11 @@ def _bench_line(row: dict) -> str:
     )
 
 
-def stage_data(smoke: bool, env: dict, budget: Budget) -> dict:
+def stage_data(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dict:
     """A JPEG folder decoded on the GPU (nvJPEG) and by CPU workers, on eager and jax."""
     sys.path.insert(0, str(ROOT))
+    from accel.data.prepare import prepare_mock_imagenet
     from bench.compare_backends import launch_summary
-    from data.prepare import prepare_mock_imagenet
 
     model = "swin_micro" if smoke else "swin_tiny_patch4_window7_224"
     devices = ["cpu"] if smoke else ["gpu", "cpu"]
@@ -250,6 +251,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stage", choices=(*STAGES, "all"), default="all")
     p.add_argument("--smoke", action="store_true", help="on CPU, micro models, under 90 s")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="folder")
+    p.add_argument("--budget", type=float, help=f"seconds per stage (default {STAGE_BUDGET_S})")
+    p.add_argument("--launches", type=int, default=2, help="launches of each bench job")
     args = p.parse_args(argv)
     found = versions()
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in found.items() if v), flush=True)
@@ -267,8 +270,8 @@ def main(argv: list[str] | None = None) -> int:
     results = Results(info, args.smoke, args.results)
     env = environment(args.smoke)
     for stage in STAGES if args.stage == "all" else (args.stage,):
-        budget = Budget(SMOKE_BUDGET_S[stage] if args.smoke else STAGE_BUDGET_S)
-        result = RUNNERS[stage](args.smoke, env, budget)
+        seconds = SMOKE_BUDGET_S[stage] if args.smoke else STAGE_BUDGET_S
+        result = RUNNERS[stage](args.smoke, env, Budget(args.budget or seconds), args.launches)
         results.add(stage, result)
         print(f"gpu_check: {stage}\n  " + "\n  ".join(result["lines"]), flush=True)
     print(f"gpu_check: results in {results.path}")

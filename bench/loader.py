@@ -26,16 +26,16 @@ sys.path.insert(0, str(ROOT))
 
 from PIL import Image  # noqa: E402
 
-from bench.compare_backends import write_result  # noqa: E402
-from data.config import DataConfig, MixupConfig  # noqa: E402
-from data.device_decode import EncodedCrop  # noqa: E402
-from data.folder import (  # noqa: E402
+from accel.data.config import DataConfig, MixupConfig  # noqa: E402
+from accel.data.device_decode import EncodedCrop  # noqa: E402
+from accel.data.folder import (  # noqa: E402
     ImageFolderDataset,
     class_names,
     train_transform,
 )
-from data.loaders import build_train_loader  # noqa: E402
-from data.prepare import prepare_mock_imagenet  # noqa: E402
+from accel.data.loaders import build_train_loader  # noqa: E402
+from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
+from bench.compare_backends import write_result  # noqa: E402
 
 
 def per_image_ms(paths: list[str], fn) -> float:

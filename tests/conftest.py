@@ -28,7 +28,7 @@ if torch_xla is not None:
 
 from PIL import Image  # noqa: E402
 
-from data.prepare import prepare_mock_imagenet  # noqa: E402
+from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
 
 pytest_plugins = ["tests.shared_runs"]
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import psutil
 
 from accel.config import RunConfig, leaf_fields, replace_path
-from data.config import DataConfig
-from models.factory import ModelConfig
+from accel.data.config import DataConfig
+from accel.models.factory import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None

@@ -18,7 +18,7 @@ import torch
 
 from accel.config import AMP_LEVELS, RunConfig
 from accel.distributed import DistContext
-from models.factory import ModelConfig
+from accel.models.factory import ModelConfig
 
 # uint8 NCHW images, float soft targets, and (with --reprob) int32 [N, K, 6] erasing rectangles
 Batch = tuple[torch.Tensor, ...]

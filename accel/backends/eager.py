@@ -17,9 +17,9 @@ from accel.backends.torch_layouts import make_layout
 from accel.config import SHARD_MODES, RunConfig
 from accel.distributed import DistContext, env_context
 from accel.losses import summarise
+from accel.models.factory import ModelConfig, meta_model
 from accel.optim import parameter_settings
 from accel.parallel import effective_shard
-from models.factory import ModelConfig, meta_model
 
 SUPPORTS = Supports(
     float16=True,

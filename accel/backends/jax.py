@@ -32,10 +32,10 @@ from accel.backends.torchax_compat import not_an_accelerator, removed_ops
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.losses import eval_sums, summarise
+from accel.models.factory import ModelConfig, create_model
 from accel.optim import Settings, parameter_settings
 from accel.parallel import effective_shard
 from accel.versions import installed
-from models.factory import ModelConfig, create_model
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
 SUPPORTS = Supports(

@@ -23,10 +23,10 @@ from accel.backends.torch_core import TorchCore, local_norm
 from accel.config import RunConfig
 from accel.distributed import DistContext
 from accel.losses import eval_sums, soft_target_loss
+from accel.models.factory import ImageClassifier, ModelConfig, create_model
 from accel.parallel import fsdp, pipeline, tp_head
 from accel.parallel.materialize import allocate, fill_from_rank0, named_tensors
 from accel.parallel.mesh import MeshLayout
-from models.factory import ImageClassifier, ModelConfig, create_model
 
 Batch = tuple[torch.Tensor, torch.Tensor]
 ForwardLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]

@@ -40,9 +40,9 @@ from accel.backends.torch_core import TorchCore, local_norm
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.losses import eval_sums, soft_target_loss, summarise
+from accel.models.factory import ModelConfig, create_model
 from accel.optim import parameter_settings
 from accel.parallel import effective_shard
-from models.factory import ModelConfig, create_model
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
 SUPPORTS = Supports(

@@ -13,7 +13,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from accel.amp import AmpPolicy
-from models.factory import ImageClassifier
+from accel.models.factory import ImageClassifier
 
 # Where timm keeps a model's repeated units: ViT/DeiT/BEiT `blocks`, Swin `layers` (its stages),
 # ConvNeXt/MaxViT `stages`.

@@ -24,8 +24,8 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
+from accel.models.factory import ImageClassifier
 from accel.parallel.mesh import MeshLayout
-from models.factory import ImageClassifier
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 EMBEDDINGS = ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre")

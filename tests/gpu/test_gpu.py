@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from accel.data.config import DataConfig, MixupConfig
+from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
 from accel.resolve import resolve_backend, resolve_decode_on
 from accel.train import Trainer
-from data.config import DataConfig, MixupConfig
-from data.loaders import build_train_loader
 from tests.helpers import micro_config, read_summary, run_cli, train_cli
 from tests.unit.test_folder import dirty_mock_imagenet
 

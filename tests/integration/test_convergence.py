@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
+from accel.data.prepare import prepare_digits
 from bench.convergence import BACKENDS, curves, train_curves
-from data.prepare import prepare_digits
 from tests.helpers import HAS_XLA
 
 EPOCHS, EAGER_TOP1, DISTANCE = 6, 0.6, 0.1

@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from data.prepare import prepare_mock_imagenet
+from accel.data.prepare import prepare_mock_imagenet
 from tests.helpers import rank_process, run_cli, start_cli
 
 

@@ -14,8 +14,8 @@ from accel.backends import create_backend
 from accel.distributed import DistContext
 from accel.export import main as export_main
 from accel.launch_single_task import main
+from accel.models.factory import ModelConfig, create_model, meta_model
 from accel.optim import parameter_settings
-from models.factory import ModelConfig, create_model, meta_model
 from tests.helpers import HAS_XLA, micro_config, read_summary, run_cli, run_python, train_cli
 
 # Without torch_xla (make test-latest) the other three, and the xla cases skip; CI requires it.
@@ -190,7 +190,7 @@ def test_pretrained_finds_timms_cached_file(tmp_path):
     """The Hugging Face cache layout timm downloads into: refs/main names the snapshot."""
     code = (
         "import os, timm\n"
-        "from models.pretrained import timm_cache_file\n"
+        "from accel.models.pretrained import timm_cache_file\n"
         "hub = timm.models.get_pretrained_cfg('vit_tiny_patch16_224').hf_hub_id\n"
         f"repo = os.path.join({str(tmp_path)!r}, 'models--' + hub.replace('/', '--'))\n"
         "os.makedirs(os.path.join(repo, 'refs'))\n"

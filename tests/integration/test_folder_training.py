@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from accel.data.config import MixupConfig
 from accel.distributed import DistContext
 from accel.train import Trainer
-from data.config import MixupConfig
 from tests.helpers import micro_config, read_summary, run_cli
 from tests.unit.test_folder import dirty_mock_imagenet
 

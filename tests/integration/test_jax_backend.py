@@ -10,10 +10,10 @@ from accel.backends.base import BackendUnavailable
 from accel.backends.eager import EagerBackend
 from accel.backends.jax import torchax  # imported through the compatibility shim
 from accel.checkpoint import latest_checkpoint, to_cpu
+from accel.data.config import MixupConfig
+from accel.data.loaders import build_eval_loader
 from accel.distributed import DistContext
 from accel.train import Trainer
-from data.config import MixupConfig
-from data.loaders import build_eval_loader
 from tests.helpers import micro_config, read_summary, run_cli, run_cli_without
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)

@@ -17,8 +17,8 @@ from torch import nn
 
 from accel.amp import amp_policy
 from accel.distributed import destroy_process_group
+from accel.models.factory import ModelConfig, create_model
 from accel.parallel import fsdp
-from models.factory import ModelConfig, create_model
 from tests import nan_model
 from tests.helpers import ROOT, checkpoint_tensors, cli_command, read_summary, run_cli, train_cli
 from tests.integration.test_nan_policy import _config as _nan_config

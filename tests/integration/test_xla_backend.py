@@ -5,9 +5,9 @@ import torch
 
 from accel.backends.base import BackendUnavailable, RecompileError
 from accel.backends.xla import XlaBackend, check_versions, compile_count
+from accel.data.config import MixupConfig
 from accel.distributed import DistContext
 from accel.train import Trainer
-from data.config import MixupConfig
 from tests.helpers import micro_config, run_cli_without, train_cli
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)

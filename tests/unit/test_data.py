@@ -1,9 +1,9 @@
 import torch
 
-from data.config import DataConfig, MixupConfig
-from data.loaders import build_eval_loader, build_train_loader
-from data.sampling import PaddedEvalBatchSampler, ShardedBatchSampler
-from data.synthetic import SyntheticImages
+from accel.data.config import DataConfig, MixupConfig
+from accel.data.loaders import build_eval_loader, build_train_loader
+from accel.data.sampling import PaddedEvalBatchSampler, ShardedBatchSampler
+from accel.data.synthetic import SyntheticImages
 
 
 def test_synthetic_is_deterministic_per_index():

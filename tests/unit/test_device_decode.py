@@ -8,14 +8,14 @@ import pytest
 import torch
 
 from accel.config import ConfigError, replace_path
+from accel.data.collate import TrainCollate
+from accel.data.config import DataConfig, MixupConfig
+from accel.data.device_decode import DeviceDecodedLoader
+from accel.data.folder import BadImageError
+from accel.data.jpeg_decoders import decoding_error as device_decoding_error
+from accel.data.loaders import build_train_loader
+from accel.data.sampling import SampleKey
 from accel.resolve import resolve_decode_on
-from data.collate import TrainCollate
-from data.config import DataConfig, MixupConfig
-from data.device_decode import DeviceDecodedLoader
-from data.folder import BadImageError
-from data.jpeg_decoders import decoding_error as device_decoding_error
-from data.loaders import build_train_loader
-from data.sampling import SampleKey
 from tests.helpers import micro_config
 from tests.unit.test_folder import dirty_mock_imagenet
 

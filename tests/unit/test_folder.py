@@ -5,10 +5,10 @@ import pytest
 import torch
 from PIL import Image
 
-from data.config import DataConfig
-from data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
-from data.loaders import build_train_loader
-from data.prepare import prepare_mock_imagenet
+from accel.data.config import DataConfig
+from accel.data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
+from accel.data.loaders import build_train_loader
+from accel.data.prepare import prepare_mock_imagenet
 
 
 def add_bad_files(root: Path) -> dict[str, Path]:

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from models.factory import ModelConfig, UnknownModelError, check_model_name, create_model
+from accel.models.factory import ModelConfig, UnknownModelError, check_model_name, create_model
 
 
 @pytest.mark.parametrize("name", ["vit_micro", "swin_micro"])

@@ -12,8 +12,8 @@ from accel.checkpoint import (
     write_file,
 )
 from accel.config import OptimConfig
+from accel.models.factory import ModelConfig, create_model
 from accel.optim import LRSchedule, parameter_settings
-from models.factory import ModelConfig, create_model
 
 
 def test_schedule_warms_up_then_decays_to_min():

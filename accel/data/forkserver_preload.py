@@ -3,6 +3,6 @@ from then on the fork server exits when the trainer that started it dies (see da
 
 import os
 
-from data.lifetime import PARENT, exit_with_parent
+from accel.data.lifetime import PARENT, exit_with_parent
 
 exit_with_parent(parent=int(os.environ[PARENT]) if PARENT in os.environ else None)

@@ -14,9 +14,9 @@ import timm
 import torch
 from torch import nn
 
-from models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
-from models.erasing import random_erase
-from models.pretrained import load_pretrained
+from accel.models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
+from accel.models.erasing import random_erase
+from accel.models.pretrained import load_pretrained
 
 
 class ModelError(ValueError):

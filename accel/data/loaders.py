@@ -15,14 +15,14 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from data.augment import erase_boxes
-from data.collate import TrainCollate, eval_collate
-from data.config import DataConfig
-from data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
-from data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
-from data.lifetime import PARENT, worker_init
-from data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
-from data.synthetic import SyntheticImages
+from accel.data.augment import erase_boxes
+from accel.data.collate import TrainCollate, eval_collate
+from accel.data.config import DataConfig
+from accel.data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
+from accel.data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
+from accel.data.lifetime import PARENT, worker_init
+from accel.data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
+from accel.data.synthetic import SyntheticImages
 
 
 @contextlib.contextmanager
@@ -102,7 +102,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     the workers it forks, exit when their parent dies (data/lifetime.py)."""
     context = multiprocessing.get_context("forkserver")
     # The lifetime preload first: torch takes seconds to import, and the trainer may die meanwhile.
-    context.set_forkserver_preload(["data.forkserver_preload", "torch", "data.loaders"])
+    context.set_forkserver_preload(["accel.data.forkserver_preload", "torch", "accel.data.loaders"])
     os.environ[PARENT] = str(os.getpid())
     # Started here, by the thread that builds the loader (the trainer's main one): the kernel
     # signals a child when the *thread* that started it ends, and a loader may first be

@@ -21,12 +21,12 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as tvf
 
-from data.augment import device_secondary
-from data.collate import Sample, TrainCollate, erase_batch
-from data.config import DataConfig
-from data.folder import DecodeCrop
-from data.jpeg_decoders import make_decoder
-from data.sampling import SampleKey, key_seed
+from accel.data.augment import device_secondary
+from accel.data.collate import Sample, TrainCollate, erase_batch
+from accel.data.config import DataConfig
+from accel.data.folder import DecodeCrop
+from accel.data.jpeg_decoders import make_decoder
+from accel.data.sampling import SampleKey, key_seed
 
 # Colour modes nvJPEG decodes to RGB; other JPEGs (CMYK, YCCK) are decoded by the workers.
 DEVICE_MODES = ("RGB", "L")

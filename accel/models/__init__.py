@@ -1,0 +1,9 @@
+from accel.models.factory import (
+    ImageClassifier,
+    ModelConfig,
+    ModelError,
+    UnknownModelError,
+    create_model,
+)
+
+__all__ = ["ImageClassifier", "ModelConfig", "ModelError", "UnknownModelError", "create_model"]

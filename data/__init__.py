@@ -1,1 +1,0 @@
-"""Datasets, mock-ImageNet preparation, collate-level mixup and loaders (independent of accel)."""
