@@ -3,6 +3,8 @@ torch functions through torchax; the split classifier builds on `masked_sums`)."
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from timm.loss import SoftTargetCrossEntropy
 from torch import nn
@@ -11,6 +13,14 @@ from torch import nn
 def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """Mean cross-entropy against soft (mixed, smoothed) targets, in fp32."""
     return SoftTargetCrossEntropy()(logits.float(), targets)
+
+
+def classifier_loss(model: Callable, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The command line's loss function, in the public API's form (model, batch) -> loss: the
+    soft-target cross-entropy of the model's logits; the batch's random-erasing rectangles,
+    where it has them, go to the model."""
+    images, targets, *extra = batch
+    return soft_target_loss(model(images, *extra), targets)
 
 
 def masked_sums(

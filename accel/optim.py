@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 import torch
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 from timm.scheduler import CosineLRScheduler
@@ -86,3 +90,119 @@ class EmaDecay:
     def __call__(self, step: int) -> float:
         """`step`: optimizer steps done, this one included (timm's num_updates)."""
         return float(self._ema.get_decay(step))
+
+
+# --- a user's torch optimizer, described by parameter name ------------------------------------
+OPTIMIZERS = ("AdamW", "Adam", "SGD")  # the classes every backend runs (jax translates them)
+# Hyperparameters that shape the update, by class; the rest (foreach, fused, capturable,
+# differentiable) only choose torch's implementation, which each backend picks itself.
+HYPERPARAMETERS = {
+    "AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
+    "Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"),
+    "SGD": ("lr", "momentum", "dampening", "weight_decay", "nesterov", "maximize"),
+}
+
+
+class OptimizerError(ValueError):
+    """An optimizer a backend cannot run: one line."""
+
+
+@dataclass(frozen=True)
+class GroupSpec:
+    """One param group: its parameters by name, its hyperparameters, and timm's `lr_scale`
+    (layer decay) where the group has one."""
+
+    names: tuple[str, ...]
+    hyper: dict[str, Any]
+    lr_scale: float = 1.0
+
+
+@dataclass(frozen=True)
+class OptimizerSpec:
+    """A torch optimizer as every backend can rebuild it: its class name and its groups."""
+
+    kind: str
+    groups: tuple[GroupSpec, ...]
+
+    @classmethod
+    def of(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerSpec:
+        """The spec of `optimizer`, whose parameters must all belong to `model`."""
+        kind = type(optimizer).__name__
+        if kind not in OPTIMIZERS or type(optimizer) is not getattr(torch.optim, kind):
+            raise OptimizerError(
+                f"accel runs torch.optim.{', torch.optim.'.join(OPTIMIZERS)}; "
+                f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+            )
+        names = {id(p): n for n, p in model.named_parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            missing = [p for p in group["params"] if id(p) not in names]
+            if missing:
+                raise OptimizerError(
+                    f"the optimizer holds {len(missing)} parameter(s) that are not the model's: "
+                    "build it from model.parameters() (or the model's param groups)"
+                )
+            hyper = {k: group[k] for k in HYPERPARAMETERS[kind] if k in group}
+            hyper["lr"] = float(hyper["lr"])  # a tensor lr enters the step as a value anyway
+            names_here = tuple(names[id(p)] for p in group["params"] if p.requires_grad)
+            groups.append(GroupSpec(names_here, hyper, float(group.get("lr_scale", 1.0))))
+        return cls(kind, tuple(groups))
+
+    def build(self, tensor_of: dict[str, torch.Tensor], **implementation) -> torch.optim.Optimizer:
+        """The same optimizer over `tensor_of[name]` (the model's parameters, or fp32 masters),
+        with implementation flags (fused, capturable) chosen by the backend."""
+        groups = [
+            {"params": [tensor_of[n] for n in g.names], **g.hyper, "lr_scale": g.lr_scale}
+            for g in self.groups
+        ]
+        return getattr(torch.optim, self.kind)(groups, **implementation)
+
+    def refusals(self, translatable: bool = False) -> list[str]:
+        """What no backend (or, with `translatable`, the optax translation) can run."""
+        out = []
+        for g in self.groups:
+            h = g.hyper
+            if h.get("maximize"):
+                out.append("maximize=True")
+            if translatable and h.get("amsgrad"):
+                out.append("amsgrad=True (optax's amsgrad is not torch's)")
+            if translatable and self.kind == "SGD" and h.get("dampening"):
+                out.append("SGD dampening")
+        return sorted(set(out))
+
+
+ScheduleFn = Callable[[int], float]
+
+
+class LearningRates:
+    """Each param group's learning rate at an optimizer step, as plain numbers, so a changing
+    rate enters the compiled step as a value and never recompiles it.
+
+    `schedule`: None (the groups' own rates), a function of the step giving the base rate (each
+    group keeps its ratio to the first group's rate), or a torch LRScheduler bound to the user's
+    optimizer (stepped here, its groups' rates read). timm's `lr_scale` multiplies each group's.
+    """
+
+    def __init__(
+        self,
+        spec: OptimizerSpec,
+        schedule: ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None = None,
+    ):
+        self.spec, self.schedule = spec, schedule
+        self.base = [g.hyper["lr"] for g in spec.groups]
+        self.scales = [g.lr_scale for g in spec.groups]
+        self.stepped = 0
+
+    def __call__(self, step: int) -> list[float]:
+        s = self.schedule
+        if s is None:
+            rates = self.base
+        elif isinstance(s, torch.optim.lr_scheduler.LRScheduler):
+            while self.stepped < step:  # the scheduler counts its own steps
+                s.step()
+                self.stepped += 1
+            rates = [float(g["lr"]) for g in s.optimizer.param_groups]
+        else:
+            first = self.base[0] or 1.0
+            rates = [float(s(step)) * b / first for b in self.base]
+        return [r * k for r, k in zip(rates, self.scales, strict=True)]

@@ -12,7 +12,7 @@ import torch
 from accel.backends import check_supported
 from accel.backends.base import BackendModule
 from accel.checkpoint import latest_checkpoint, read_meta, resume_mismatches, saved_config
-from accel.config import DEFAULT_EPOCHS, ConfigError, RunConfig, data_replicas, validate
+from accel.config import BACKENDS, DEFAULT_EPOCHS, ConfigError, RunConfig, data_replicas, validate
 from accel.data.augment import check_augment
 from accel.data.config import DataConfig
 from accel.data.folder import count_images
@@ -29,12 +29,17 @@ USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": Tr
 
 
 def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, str]:
-    """(backend, why) from --backend and USE_ACCEL."""
+    """(backend, why) from --backend (or the API's backend=), ACCEL_BACKEND and USE_ACCEL."""
     raw = env.get("USE_ACCEL", "")
     if raw.strip().lower() not in USE_ACCEL_VALUES:
         raise ConfigError(f"USE_ACCEL must be 0, 1, true or false, got '{raw}'")
     if requested:
-        return requested, "--backend"
+        return requested, "asked for by name"
+    named = env.get("ACCEL_BACKEND", "").strip()
+    if named:
+        if named not in BACKENDS:
+            raise ConfigError(f"ACCEL_BACKEND must be one of {', '.join(BACKENDS)}, got '{named}'")
+        return named, "ACCEL_BACKEND"
     if USE_ACCEL_VALUES[raw.strip().lower()]:
         if torch.cuda.is_available():
             return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"

@@ -19,9 +19,15 @@ import torch
 from accel.config import AMP_LEVELS, RunConfig
 from accel.distributed import DistContext
 from accel.models.factory import ModelConfig
+from accel.optim import OptimizerSpec
 
 # uint8 NCHW images, float soft targets, and (with --reprob) int32 [N, K, 6] erasing rectangles
+# (the command line's); any tensors a user's loss function takes (the public API's).
 Batch = tuple[torch.Tensor, ...]
+# (model, batch) -> scalar loss: the model is called inside, so every backend can trace it.
+LossFn = Callable[[Callable[..., torch.Tensor], Batch], torch.Tensor]
+# (model, batch) -> {name: tensor of sums}: evaluation sums, added over batches and ranks.
+MetricFn = Callable[[Callable[..., torch.Tensor], Batch], dict[str, torch.Tensor]]
 
 
 class StepResult(NamedTuple):
@@ -66,11 +72,19 @@ class Backend(Protocol):
     def setup(self, model_cfg: ModelConfig) -> None:
         """Build the model (only what this rank keeps), the optimizer and the step."""
 
+    def adopt(self, model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
+        """Take a model, optimizer and loss built elsewhere (the public API, accel.engine):
+        `optimizer` describes the user's torch optimizer, which the backend rebuilds (or
+        translates) over the tensors it updates."""
+
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
         """Move host batches to the device, prefetching where the backend can."""
 
-    def train_step(self, micro_batches: list[Any], lr: float, ema_decay: float = 0.0) -> Any:
-        """One optimizer step over `micro_batches` (gradient accumulation), and the weights'
+    def train_step(
+        self, micro_batches: list[Any], lr: float | list[float], ema_decay: float = 0.0
+    ) -> Any:
+        """One optimizer step over `micro_batches` (gradient accumulation) at learning rate `lr`
+        (one base rate, each group scaled by its lr_scale, or one rate per group), and the weights'
         EMA with `ema_decay` (--model_ema), left undone where the loss or the gradients are not
         finite; returns a handle of the loss and of whether the update was applied, which stays
         on the device until `fetch_results`."""
@@ -81,6 +95,11 @@ class Backend(Protocol):
     def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
         """Mean loss, top-1 and top-5 accuracy over masked, padded batches, reduced over
         ranks; with `ema`, of the EMA weights."""
+
+    def evaluate_sums(
+        self, batches: Iterable[Any], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        """The user's metric sums over device batches, summed over ranks (the public API)."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """{'model': {name: tensor}, 'optim': {name: {'step', 'exp_avg', 'exp_avg_sq'}}, and

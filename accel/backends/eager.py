@@ -4,21 +4,23 @@ pipeline). compile.py is this backend with the forward and loss compiled."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from accel.amp import amp_policy
-from accel.backends.base import Batch, StepResult, Supports
+from accel.backends.base import Batch, LossFn, MetricFn, StepResult, Supports
 from accel.backends.torch_core import TorchCore, fused_guard
 from accel.backends.torch_layouts import make_layout
 from accel.config import SHARD_MODES, RunConfig
 from accel.distributed import DistContext, env_context
 from accel.losses import summarise
 from accel.models.factory import ModelConfig, meta_model
-from accel.optim import parameter_settings
+from accel.optim import OptimizerSpec, param_groups, parameter_settings
 from accel.parallel import effective_shard
 
 SUPPORTS = Supports(
@@ -105,17 +107,28 @@ class EagerBackend:
     def setup(self, model_cfg: ModelConfig) -> None:
         modules = self.layout.build(model_cfg)
         settings = parameter_settings(meta_model(model_cfg), self.cfg.optim)
-        self.core.attach(
-            modules, settings, self.adamw, self.layout.classifier(), self.cfg.optim.model_ema
-        )
-        self.layout.attached(self.core)
-        self.forward_loss = (
-            self.compiler(self._forward_loss) if self.compiler else self._forward_loss
-        )
+        self.attach(modules, lambda named: self.adamw(param_groups(named, settings)), self.loss)
 
-    def _forward_loss(self, images: torch.Tensor, targets: torch.Tensor, *extra) -> torch.Tensor:
-        """`extra`: the batch's random-erasing rectangles, where it has them."""
-        return self.layout.loss(self.layout.forward(images, *extra), targets)
+    def adopt(self, model: nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
+        # Fused: one kernel for the update, and it takes `found_inf` (torch_core.fused_guard).
+        build = lambda named: optimizer.build(dict(named), fused=True)  # noqa: E731
+        self.attach(self.layout.adopt(model), build, loss_fn)
+
+    def attach(self, modules: list[nn.Module], build_optimizer: Callable, loss_fn: LossFn) -> None:
+        ema = self.cfg.optim.model_ema
+        self.core.attach(modules, build_optimizer, self.layout.classifier(), ema)
+        self.layout.attached(self.core)
+
+        def forward_loss(*batch: torch.Tensor) -> torch.Tensor:
+            return loss_fn(self.layout.forward, batch)
+
+        self.forward_loss = self.compiler(forward_loss) if self.compiler else forward_loss
+
+    def loss(self, model: Callable, batch: Batch) -> torch.Tensor:
+        """The command line's loss: soft-target cross-entropy (split where the head is); the
+        batch's random-erasing rectangles, where it has them, go to the model."""
+        images, targets, *extra = batch
+        return self.layout.loss(model(images, *extra), targets)
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`, which
@@ -129,7 +142,7 @@ class EagerBackend:
         return (tuple(t.to(self.device) for t in batch) for batch in batches)
 
     def train_step(
-        self, micro_batches: list[Batch], lr: float, ema_decay: float = 0.0
+        self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
         """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0]."""
         loss = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
@@ -157,6 +170,27 @@ class EagerBackend:
             sums += self.layout.eval_sums(images, labels, mask, self.core)
         self.layout.module.train()
         return summarise(self.layout.sum_over_ranks(sums).cpu().tolist())
+
+    def evaluate_sums(
+        self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        with self.core.ema_weights() if ema else contextlib.nullcontext():
+            return self._evaluate_sums(batches, metric_fn)
+
+    @torch.no_grad()
+    def _evaluate_sums(self, batches: Iterable[Batch], metric_fn: MetricFn) -> dict[str, float]:
+        self.layout.module.eval()
+        totals: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            with self.core.autocast():
+                sums = metric_fn(self.layout.module, batch)
+            # A count made on the host (torch.tensor(len(y))) joins the device's values.
+            sums = {k: torch.as_tensor(v, device=self.device).float() for k, v in sums.items()}
+            totals = {k: totals.get(k, 0) + v.detach() for k, v in sums.items()}
+        self.layout.module.train()
+        keys = sorted(totals)
+        stacked = torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0)
+        return dict(zip(keys, self.layout.sum_over_ranks(stacked).cpu().tolist(), strict=True))
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.layout.checkpoint_view(self.core.named_state())

@@ -26,14 +26,15 @@ import numpy as np
 import torch
 
 from accel.amp import AmpPolicy, amp_policy
-from accel.backends.base import BackendUnavailable, Batch, StepResult, Supports
+from accel.backends.base import BackendUnavailable, Batch, LossFn, MetricFn, StepResult, Supports
+from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.quiet import quiet_imports
 from accel.backends.torchax_compat import not_an_accelerator, removed_ops
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
-from accel.losses import eval_sums, summarise
+from accel.losses import classifier_loss, eval_sums, summarise
 from accel.models.factory import ModelConfig, create_model
-from accel.optim import Settings, parameter_settings
+from accel.optim import OptimizerSpec, param_groups, parameter_settings
 from accel.parallel import effective_shard
 from accel.versions import installed
 
@@ -231,33 +232,130 @@ def attention_override(env, sdpa: Callable):
         env._ops.update(saved)
 
 
-# --- optimizer --------------------------------------------------------------------------------
-def optax_adamw(
-    cfg: RunConfig, settings: Settings, names: list[str]
-) -> optax.GradientTransformation:
-    """torch.optim.AdamW as optax pieces, each parameter with its weight decay (accel.optim);
-    the step multiplies the result by -lr times the parameter's scale (the schedule is an
-    argument of the step, not part of the state)."""
-    parts = [optax.clip_by_global_norm(cfg.optim.clip_grad)] if cfg.optim.clip_grad > 0 else []
-    b1, b2 = cfg.optim.betas
-    decays = {n: settings[n][1] for n in names}
-    parts += [
-        optax.scale_by_adam(b1=b1, b2=b2, eps=1e-8),
-        # optax takes one rate per transform: a masked transform per distinct weight decay.
-        *(
-            optax.add_decayed_weights(decay, {n: d == decay for n, d in decays.items()})
-            for decay in sorted(set(decays.values()) - {0.0})
-        ),
-    ]
-    return optax.chain(*parts)
+# --- optimizer: a torch optimizer's groups as optax transforms --------------------------------
+class OptaxGroups:
+    """torch.optim.AdamW, Adam and SGD as optax transforms, one chain per param group over that
+    group's parameters (by name), so every group keeps its own hyperparameters and its state
+    maps one to one onto torch's (`step`, `exp_avg`, `exp_avg_sq`; `momentum_buffer`). The
+    learning rate is not part of a chain: the step multiplies each group's update by -lr, the
+    rate being an argument of the step (a changing schedule never recompiles it)."""
+
+    def __init__(self, spec: OptimizerSpec):
+        refused = spec.refusals(translatable=True)
+        if refused:
+            raise ConfigError(
+                f"the jax backend has no optax translation of {spec.kind} with "
+                f"{', '.join(refused)}: use the eager, compile or xla backend"
+            )
+        self.spec = spec
+        self.chains = [self._chain(g.hyper) for g in spec.groups]
+
+    def _chain(self, h: dict) -> optax.GradientTransformation:
+        decay = [optax.add_decayed_weights(h["weight_decay"])] if h.get("weight_decay") else []
+        if self.spec.kind == "SGD":
+            momentum = [optax.trace(h["momentum"], h["nesterov"])] if h.get("momentum") else []
+            return optax.chain(*decay, *momentum)  # torch's SGD: decay coupled to the gradient
+        b1, b2 = h["betas"]
+        adam = optax.scale_by_adam(b1=b1, b2=b2, eps=h["eps"])
+        if self.spec.kind == "AdamW" or h.get("decoupled_weight_decay"):
+            return optax.chain(adam, *decay)  # decoupled: p -= lr * (adam + wd * p)
+        return optax.chain(*decay, adam)  # Adam's L2: the decay joins the gradient
+
+    def _split(self, tree: dict) -> list[dict]:
+        return [{n: tree[n] for n in g.names} for g in self.spec.groups]
+
+    def init(self, params: dict) -> tuple:
+        return tuple(c.init(p) for c, p in zip(self.chains, self._split(params), strict=True))
+
+    def update(self, grads: dict, state: tuple, params: dict, lrs: jax.Array) -> tuple:
+        """(new params, new state); `lrs`: one rate per group."""
+        new_params, new_state = dict(params), []
+        parts = zip(self.chains, self._split(grads), state, self._split(params), strict=True)
+        for i, (chain, g, s, p) in enumerate(parts):
+            updates, s = chain.update(g, s, p)
+            new_state.append(s)
+            for n, u in updates.items():
+                new_params[n] = (p[n] - lrs[i] * u).astype(p[n].dtype)
+        return new_params, tuple(new_state)
+
+    def rates(self, lr: float | list[float]) -> jax.Array:
+        """One base rate (each group scaled by its lr_scale), or one rate per group."""
+        if isinstance(lr, int | float):
+            lr = [lr * g.lr_scale for g in self.spec.groups]
+        return jnp.asarray(lr, jnp.float32)
+
+    def to_torch(self, state: tuple) -> dict[str, dict[str, torch.Tensor]]:
+        """torch's state by parameter name."""
+        out = {}
+        for g, s in zip(self.spec.groups, state, strict=True):
+            adam = _find(s, optax.ScaleByAdamState)
+            trace = _find(s, optax.TraceState)
+            for n in g.names:
+                if adam is not None:
+                    step = torch.tensor(float(host_value(adam.count)))
+                    out[n] = {
+                        "step": step,
+                        "exp_avg": to_torch(adam.mu[n]).float(),
+                        "exp_avg_sq": to_torch(adam.nu[n]).float(),
+                    }
+                elif trace is not None:
+                    out[n] = {"momentum_buffer": to_torch(trace.trace[n]).float()}
+        return out
+
+    def from_torch(self, saved: dict, params: dict, dtype: jnp.dtype) -> tuple:
+        """A fresh state over `params`, with `saved` (torch's, by name) where it has a group's
+        parameters (none: a checkpoint saved before the first step)."""
+        state = []
+        for g, s in zip(self.spec.groups, self.init(params), strict=True):
+            if g.names and g.names[0] in saved:
+                first = saved[g.names[0]]
+                if "exp_avg" in first:
+                    adam = optax.ScaleByAdamState(
+                        count=jnp.asarray(int(first["step"]), jnp.int32),
+                        mu={n: to_jax(saved[n]["exp_avg"], dtype) for n in g.names},
+                        nu={n: to_jax(saved[n]["exp_avg_sq"], dtype) for n in g.names},
+                    )
+                    s = _replace(s, optax.ScaleByAdamState, adam)
+                elif "momentum_buffer" in first:
+                    buffers = {n: to_jax(saved[n]["momentum_buffer"], dtype) for n in g.names}
+                    s = _replace(s, optax.TraceState, optax.TraceState(trace=buffers))
+            state.append(s)
+        return tuple(state)
 
 
-def adam_state(opt_state: tuple) -> optax.ScaleByAdamState:
-    return next(s for s in opt_state if isinstance(s, optax.ScaleByAdamState))
+def _find(chain_state: tuple, kind: type) -> Any:
+    return next((s for s in chain_state if isinstance(s, kind)), None)
 
 
-def replace_adam_state(opt_state: tuple, new: optax.ScaleByAdamState) -> tuple:
-    return tuple(new if isinstance(s, optax.ScaleByAdamState) else s for s in opt_state)
+def _replace(chain_state: tuple, kind: type, new: Any) -> tuple:
+    return tuple(new if isinstance(s, kind) else s for s in chain_state)
+
+
+def forward(model: Callable, batch: tuple) -> torch.Tensor:
+    return model(*batch)
+
+
+class Objective(torch.nn.Module):
+    """fn(model, batch) as a module whose one submodule is the model, so that
+    torch.func.functional_call runs the user's loss (or metrics) with the weights it is given."""
+
+    def __init__(self, model: torch.nn.Module, fn: Callable):
+        super().__init__()
+        self.model, self.fn = model, fn
+
+    def forward(self, *batch: torch.Tensor) -> Any:
+        return self.fn(self.model, batch)
+
+
+def torch_clip(grads: dict, max_norm: float) -> tuple[dict, jax.Array]:
+    """torch.nn.utils.clip_grad_norm_'s rule (scale by max_norm / (norm + 1e-6) where above),
+    written out because optax.clip_by_global_norm divides by the norm alone: the two would part
+    by 1e-6 relative a step. Returns the clipped gradients and the norm before clipping."""
+    norm = optax.tree.norm(grads)
+    if max_norm <= 0:
+        return grads, norm
+    scale = jnp.minimum(1.0, max_norm / (norm + 1e-6))
+    return jax.tree.map(lambda g: g * scale, grads), norm
 
 
 # --- compilation accounting -------------------------------------------------------------------
@@ -378,31 +476,42 @@ class JaxBackend:
 
     # --- set-up -------------------------------------------------------------------------------
     def setup(self, model_cfg: ModelConfig) -> None:
+        """The command line's model, AdamW (timm's param groups) and soft-target loss."""
         model = create_model(model_cfg, seed=self.cfg.seed)
-        self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
-        self.param_names = [n for n, p in model.named_parameters() if p.requires_grad]
-        store = self.precision.store
-        params = {n: to_jax(p, store) for n, p in model.named_parameters() if p.requires_grad}
-        buffers = {n: to_jax(b, store) for n, b in model.named_buffers()}
         settings = parameter_settings(model, self.cfg.optim)
-        self.optimizer = optax_adamw(self.cfg, settings, self.param_names)
-        self.lr_scales = {n: jnp.float32(settings[n][0]) for n in self.param_names}
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        optim = self.cfg.optim  # a description of the optimizer: it never steps
+        adamw = torch.optim.AdamW(param_groups(named, settings), lr=optim.lr, betas=optim.betas)
+        self.adopt(model, OptimizerSpec.of(adamw, model), classifier_loss)
+
+    def adopt(self, model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
+        self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
+        self.optimizer = OptaxGroups(optimizer)
+        self.loss_fn = loss_fn
+        trained = {n for g in optimizer.groups for n in g.names}
+        store = self.precision.store
+        params = {n: to_jax(p, store) for n, p in model.named_parameters() if n in trained}
+        # Everything else the model holds (buffers, frozen weights) goes in as constants.
+        consts = {n: to_jax(t, store) for n, t in model.state_dict(keep_vars=True).items()}
+        consts.update({n: to_jax(b, store) for n, b in model.named_buffers()})
+        consts = {n: v for n, v in consts.items() if n not in trained}
+        self.param_names = [n for n, _ in model.named_parameters() if n in trained]
         self.param_shardings = self.shardings(params, self.shard == "full")
         self.opt_shardings = self.shardings(
             jax.eval_shape(self.optimizer.init, params), self.shard != "none"
         )
         self.params = jax.device_put(params, self.param_shardings)
-        self.buffers = jax.device_put(buffers, self.replicated)
+        self.buffers = jax.device_put(consts, self.replicated)
+        self.count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         # fp32, split as the weights are; an empty tree without --model_ema.
         self.ema = self.ema_from(params) if self.cfg.optim.model_ema else {}
         # One compiled program for the whole state: op by op, every distinct shape's zeros would
         # compile a kernel of its own.
         init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         self.opt_state = init(self.params)
-        self.forward = interop.jax_view(self._torch_forward)
+        self.objectives: dict[Callable, Callable] = {}
         self.step_fn = self._jit_step()
         self.eval_fn = jax.jit(self._eval_sums)
-        self.torch_eval_sums = interop.jax_view(eval_sums)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
 
     def ema_from(self, params: dict) -> dict:
@@ -423,33 +532,39 @@ class JaxBackend:
 
         return jax.tree.map(sharding, tree)
 
-    def _torch_forward(self, params: dict, buffers: dict, *inputs: torch.Tensor) -> torch.Tensor:
-        return torch.func.functional_call(self.module, {**params, **buffers}, inputs)
+    def objective(self, fn: Callable) -> Callable:
+        """fn(model, batch) as a JAX function of (weights, constants, *batch)."""
+        if fn not in self.objectives:
+            wrapped = Objective(self.module, fn)
 
-    def logits(self, params: dict, buffers: dict, inputs: tuple, key=None) -> jax.Array:
-        """`inputs`: the model's (images, and erasing rectangles where the batch has them).
-        Train mode when a PRNG key is given: stochastic depth and dropout draw from it."""
+            def call(params: dict, consts: dict, *batch: torch.Tensor) -> Any:
+                weights = {f"model.{n}": v for n, v in {**consts, **params}.items()}
+                return torch.func.functional_call(wrapped, weights, batch)
+
+            self.objectives[fn] = interop.jax_view(call)
+        return self.objectives[fn]
+
+    def run_torch(self, fn: Callable, params: dict, consts: dict, batch: tuple, key=None) -> Any:
+        """fn(model, batch) traced through torchax with the model's weights `params`. Train mode
+        when a PRNG key is given: stochastic depth and dropout draw from it."""
         if self.amp.autocast:  # O1/O2: compute in bf16 from the fp32 master weights
-            params, buffers = cast_floating((params, buffers), self.precision.compute)
+            params, consts = cast_floating((params, consts), self.precision.compute)
         self.module.train(key is not None)  # read while tracing
         randomness = (
             contextlib.nullcontext() if key is None else self.env.override_property(prng=key)
         )
         with self.env, randomness:
-            return self.forward(params, buffers, *inputs).astype(jnp.float32)
+            return self.objective(fn)(params, consts, *batch)
 
     # --- the step -----------------------------------------------------------------------------
     def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> jax.Array:
-        images, targets, *extra = batch
-        logp = jax.nn.log_softmax(self.logits(params, buffers, (images, *extra), key), axis=-1)
-        return -(targets * logp).sum(-1).mean()
+        return self.run_torch(self.loss_fn, params, buffers, batch, key).astype(jnp.float32)
 
     def _local_grads(self, params, buffers, batch, count):
         """Mean loss and gradient of the global batch, from this device's part of it (`batch`:
-        images, targets and erasing rectangles, each [micro-steps, batch, ...]); every device
-        ends with both."""
+        every array [micro-steps, batch, ...]); every device ends with both."""
         # Random draws differ per step, device and micro-step, and follow from the seed and the
-        # optimizer's step count alone: a resumed run draws the same ones, with no state to save.
+        # step count alone (saved as this backend's random state).
         key = jax.random.fold_in(self.base_key, count)
         key = jax.random.fold_in(key, jax.lax.axis_index("data"))
 
@@ -473,19 +588,14 @@ class JaxBackend:
         # The explicit all-reduce: every device ends with the mean gradient of the global batch.
         return jax.lax.pmean((loss, grads), "data")
 
-    def _step(self, params, opt_state, ema, buffers, batch, lr, ema_decay, grads_fn):
+    def _step(self, params, opt_state, ema, count, buffers, batch, lrs, ema_decay, grads_fn):
         """One optimizer step (and the EMA's). The update runs on the sharded state where
-        --shard splits it (AdamW is elementwise; the clipping and finiteness norms are global,
-        XLA reduces them)."""
-        loss, grads = grads_fn(params, buffers, batch, adam_state(opt_state).count)
+        --shard splits it (the updates are elementwise; the clipping and finiteness norms are
+        global, XLA reduces them)."""
+        loss, grads = grads_fn(params, buffers, batch, count)
         grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-        updates, new_state = self.optimizer.update(grads, opt_state, params)
-        new_params = jax.tree.map(
-            lambda p, u, scale: (p - lr * scale * u).astype(p.dtype),
-            params,
-            updates,
-            self.lr_scales,
-        )
+        grads, norm = torch_clip(grads, self.cfg.optim.clip_grad)
+        new_params, new_state = self.optimizer.update(grads, opt_state, params, lrs)
         new_ema = {  # empty without --model_ema
             n: e + (new_params[n].astype(jnp.float32) - e) * (1.0 - ema_decay)
             for n, e in ema.items()
@@ -493,13 +603,14 @@ class JaxBackend:
         # A non-finite loss or gradient leaves weights, optimizer state and EMA as they were,
         # with no host sync. (optax.apply_if_finite checks the gradients only, and applies
         # updates again after max_consecutive_errors.)
-        finite = jnp.isfinite(loss) & jnp.isfinite(optax.tree.norm(grads))
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
         params, opt_state, ema = jax.tree.map(
             lambda new, old: jnp.where(finite, new, old),
             (new_params, new_state, new_ema),
             (params, opt_state, ema),
         )
-        return params, opt_state, ema, jnp.stack([loss, finite.astype(jnp.float32)])
+        count = count + finite.astype(jnp.int32)
+        return params, opt_state, ema, count, jnp.stack([loss, finite.astype(jnp.float32)])
 
     def _jit_step(self):
         rep, data = P(), P(None, "data")
@@ -512,11 +623,12 @@ class JaxBackend:
         )
         return jax.jit(
             functools.partial(self._step, grads_fn=grads_fn),
-            donate_argnums=(0, 1, 2),
+            donate_argnums=(0, 1, 2, 3),
             out_shardings=(
                 self.param_shardings,
                 self.opt_shardings,
                 self.ema_shardings(),
+                self.replicated,
                 self.replicated,
             ),
         )
@@ -536,15 +648,16 @@ class JaxBackend:
         return tuple(jax.device_put(a, self.batch_sharding) for a in arrays)
 
     def train_step(
-        self, micro_batches: list[tuple], lr: float, ema_decay: float = 0.0
+        self, micro_batches: list[tuple], lr: float | list[float], ema_decay: float = 0.0
     ) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
+        micro_batches = [b if isinstance(b[0], jax.Array) else self._put(b) for b in micro_batches]
         batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
-        state = (self.params, self.opt_state, self.ema, self.buffers)
-        args = (*state, batch, jnp.float32(lr), jnp.float32(ema_decay))
+        state = (self.params, self.opt_state, self.ema, self.count, self.buffers)
+        args = (*state, batch, self.optimizer.rates(lr), jnp.float32(ema_decay))
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             try:
-                self.params, self.opt_state, self.ema, result = self.step_fn(*args)
+                self.params, self.opt_state, self.ema, self.count, result = self.step_fn(*args)
             except (NotImplementedError, ValueError, RuntimeError) as err:
                 if not self.attention.flash_calls or self.step_fn._cache_size():
                     raise
@@ -552,18 +665,22 @@ class JaxBackend:
                 # backward or the compile: build the whole step on XLA's attention instead.
                 self.attention.give_up(err)
                 self.step_fn = self._jit_step()
-                self.params, self.opt_state, self.ema, result = self.step_fn(*args)
+                self.params, self.opt_state, self.ema, self.count, result = self.step_fn(*args)
         return result
 
     @contextlib.contextmanager
     def _lowering_errors(self):
+        """What torchax cannot trace, in one line: an op it has no lowering for, or a value the
+        loss reads back to the host (.item(), a Python branch on a tensor)."""
         try:
             yield
         except OperatorNotFound as err:
             raise BackendUnavailable(
-                f"torchax cannot lower an op of {self.cfg.model.name}: {err}; "
-                "train it with --backend eager, compile or xla"
+                f"torchax cannot lower an op of the model: {err}; "
+                "train it with the eager, compile or xla backend"
             ) from None
+        except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as err:
+            raise HostRead(f"the jax backend {host_read_line(err)}") from None
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         rows = [host_value(handle) for handle in handles]
@@ -571,21 +688,46 @@ class JaxBackend:
 
     # --- evaluation ---------------------------------------------------------------------------
     def _eval_sums(self, params, buffers, images, labels, mask):
-        logits = self.logits(params, buffers, (images,))
+        logits = self.run_torch(forward, params, buffers, (images,)).astype(jnp.float32)
         with self.env:  # the torch backends' own evaluation sums, lowered by torchax
-            return self.torch_eval_sums(logits, labels, mask)
+            return interop.jax_view(eval_sums)(logits, labels, mask)
 
     def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
         """With `ema`, the EMA's weights (in fp32) in place of the live ones."""
-        if ema and not self.ema:
-            raise ValueError("no EMA weights kept (--model_ema)")
-        params = self.ema if ema else self.params
+        params = self.eval_params(ema)
         sums = jnp.zeros(4, jnp.float32)
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
                 arrays = self._put(tuple(batch[k] for k in ("images", "labels", "mask")))
                 sums = sums + self.eval_fn(params, self.buffers, *arrays)
         return summarise([float(x) for x in host_value(sums)])
+
+    def evaluate_sums(
+        self, batches: Iterable[tuple], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        params = self.eval_params(ema)
+        fn = self.objectives.get(("eval", metric_fn))
+        if fn is None:
+
+            def sums(model: Callable, batch: tuple) -> dict:
+                # A count made on the host (torch.tensor(len(y))) joins the traced values.
+                found = metric_fn(model, batch)
+                return {k: self.env.to_xla(torch.as_tensor(v)) for k, v in found.items()}
+
+            fn = jax.jit(lambda p, c, *b: self.run_torch(sums, p, c, b))
+            self.objectives[("eval", metric_fn)] = fn
+        totals: dict | None = None
+        with attention_override(self.env, self.sdpa), self._lowering_errors():
+            for batch in batches:
+                arrays = batch if isinstance(batch[0], jax.Array) else self._put(batch)
+                sums = fn(params, self.buffers, *arrays)
+                totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+        return {k: float(host_value(v)) for k, v in sorted((totals or {}).items())}
+
+    def eval_params(self, ema: bool) -> dict:
+        if ema and not self.ema:
+            raise ValueError("no EMA weights kept (--model_ema)")
+        return self.ema if ema else self.params
 
     # --- state: by the torch model's parameter names, as the torch backends keep it --------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -594,17 +736,7 @@ class JaxBackend:
         model = {
             k: to_torch(values[k]).to(ref.dtype) for k, ref in self.module.state_dict().items()
         }
-        adam = adam_state(self.opt_state)
-        step = torch.tensor(float(host_value(adam.count)))
-        optim = {
-            n: {
-                "step": step.clone(),
-                "exp_avg": to_torch(adam.mu[n]).float(),
-                "exp_avg_sq": to_torch(adam.nu[n]).float(),
-            }
-            for n in self.param_names
-        }
-        out = {"model": model, "optim": optim}
+        out = {"model": model, "optim": self.optimizer.to_torch(self.opt_state)}
         if self.ema:
             out["ema"] = {n: to_torch(self.ema[n]).float() for n in self.param_names}
         return out
@@ -616,22 +748,20 @@ class JaxBackend:
         if self.ema:  # a checkpoint without an EMA starts it from its weights
             ema = state.get("ema", state["model"])
             self.ema = self.ema_from({n: to_jax(ema[n]) for n in self.param_names})
-        saved = state["optim"]
-        adam = adam_state(self.optimizer.init(self.params))
-        if saved:
-            step = int(saved[self.param_names[0]]["step"])
-            mu = {n: to_jax(saved[n]["exp_avg"], store) for n in self.param_names}
-            nu = {n: to_jax(saved[n]["exp_avg_sq"], store) for n in self.param_names}
-            adam = optax.ScaleByAdamState(count=jnp.asarray(step, jnp.int32), mu=mu, nu=nu)
-        opt_state = replace_adam_state(self.optimizer.init(self.params), adam)
+        opt_state = self.optimizer.from_torch(state["optim"], self.params, store)
         self.opt_state = jax.device_put(opt_state, self.opt_shardings)
+        steps = [s["step"] for s in state["optim"].values() if "step" in s]
+        if steps:  # the random keys' step count, for a checkpoint that saved none of its own
+            self.load_rng_state({"jax_step": steps[0]})
 
     def rng_state(self) -> dict[str, torch.Tensor]:
-        """None to save: the step's keys follow from the seed and the optimizer's step count."""
-        return {}
+        """The step count the step's random keys are folded from (with the seed)."""
+        return {"jax_step": torch.tensor(int(host_value(self.count)), dtype=torch.int64)}
 
     def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        """Nothing to restore (see rng_state)."""
+        if "jax_step" in state:
+            count = jnp.asarray(int(state["jax_step"]), jnp.int32)
+            self.count = jax.device_put(count, self.replicated)
 
     def any_rank(self, flag: bool) -> bool:
         if jax.process_count() == 1:

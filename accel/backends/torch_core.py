@@ -1,6 +1,7 @@
 """The optimizer step every torch-module backend shares (eager, compile, xla): AMP (autocast, fp32
-master weights, fp16 loss scaling), AdamW guarded against non-finite steps, clipping to a norm the
-caller computes (it knows how the gradients are split), and the state by parameter name.
+master weights, fp16 loss scaling), the optimizer (AdamW, Adam, SGD) guarded against non-finite
+steps, clipping to a norm the caller computes (it knows how the gradients are split), and the
+state by parameter name.
 
 What differs between backends comes in as functions: how the update is guarded (fused AdamW's
 `found_inf` here, a `torch.where` in the xla graph) and how the gradient norm is taken.
@@ -9,14 +10,14 @@ What differs between backends comes in as functions: how the update is guarded (
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import functools
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from accel.amp import AmpPolicy
-from accel.optim import Settings, param_groups
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
@@ -42,26 +43,51 @@ def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads)
 
 
-def init_adamw_state(optimizer: torch.optim.Optimizer, extra: StateInit | None = None) -> None:
-    """Create AdamW's state (zero moments, step counts at zero) where no step has made it yet,
-    as its first step would, so that a checkpoint loads into it in place. Made directly rather
-    than by a step on zero gradients (what torch.distributed.checkpoint's helpers do): that costs
-    a copy of the weights and of their gradients, and capturable AdamW divides by the learning
-    rate. `extra`: state tensors a variant keeps besides (torch_xla's syncfree AdamW)."""
+def init_optimizer_state(optimizer: torch.optim.Optimizer, extra: StateInit | None = None) -> None:
+    """Create the optimizer's state where no step has made it yet, as its first step would
+    (Adam/AdamW: zero moments, step counts at zero; SGD with momentum: a zero buffer, which its
+    first step treats as it treats none when dampening is 0), so that a checkpoint loads into
+    it in place. Made directly rather than by a step on zero gradients (what
+    torch.distributed.checkpoint's helpers do): that costs a copy of the weights and of their
+    gradients, and capturable AdamW divides by the learning rate. `extra`: state tensors a
+    variant keeps besides (torch_xla's syncfree AdamW)."""
+    sgd = isinstance(optimizer, torch.optim.SGD)
     for group in optimizer.param_groups:
         on_device = group.get("fused") or group.get("capturable")
         for p in group["params"]:
             if optimizer.state.get(p):
                 continue
+            zeros = functools.partial(torch.zeros_like, p, memory_format=torch.preserve_format)
+            if sgd:
+                if group["momentum"] and not group["dampening"]:
+                    optimizer.state[p] = {"momentum_buffer": zeros()}
+                continue
             step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-            state = {
-                "step": step,
-                "exp_avg": torch.zeros_like(p, memory_format=torch.preserve_format),
-                "exp_avg_sq": torch.zeros_like(p, memory_format=torch.preserve_format),
-            }
+            state = {"step": step, "exp_avg": zeros(), "exp_avg_sq": zeros()}
             if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["max_exp_avg_sq"] = zeros()
             optimizer.state[p] = {**state, **(extra(p) if extra else {})}
+
+
+def updated_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
+    """What an optimizer step changes for `param`: the parameter and its state tensors."""
+    state = {k: v for k, v in optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
+    return {"param": param, **state}
+
+
+def where_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
+    """Any optimizer, without a host sync: the update is computed, then undone where `finite`
+    is false. In an XLA graph a clone is a reference to the value, not a device copy; elsewhere
+    it costs one copy of the state (fused_guard avoids it where the optimizer is fused)."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    before = {p: {k: v.clone() for k, v in updated_tensors(optimizer, p).items()} for p in params}
+    optimizer.step()
+    with torch.no_grad():
+        for p in params:
+            for name, new in updated_tensors(optimizer, p).items():
+                # State the first step creates starts at zero (moments, counts, buffers).
+                old = before[p].get(name, torch.zeros_like(new))
+                new.copy_(torch.where(finite, new, old))
 
 
 class TorchCore:
@@ -86,25 +112,34 @@ class TorchCore:
     def attach(
         self,
         modules: list[nn.Module],
-        settings: Settings,
-        adamw: Callable[[list[dict]], torch.optim.Optimizer],
+        build_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
         classifier: list[nn.Parameter] = (),
         ema: bool = False,
     ) -> None:
         """Build the optimizer over the trainable parameters of `modules` (any part of the
-        model), grouped by their weight decay and learning-rate scale (accel.optim: a checkpoint
-        names the state by parameter, so group order does not matter). `classifier`: its
-        parameters, whose share of the state is reported apart. `ema`: keep an exponential
-        moving average of the weights."""
+        model): `build_optimizer` gets (name, the tensor it updates) pairs, the tensor being the
+        parameter or its fp32 master (O2); a checkpoint names the state by parameter, so group
+        order does not matter. `classifier`: its parameters, whose share of the state is
+        reported apart. `ema`: keep an exponential moving average of the weights."""
         self.modules = modules
         named = [(n, p) for m in modules for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         if self.separate_masters:
             self.master = {p: p.detach().float().clone().requires_grad_() for p in self.params}
-        self.optimizer = adamw(param_groups([(n, self.updated(p)) for n, p in named], settings))
+        self.optimizer = build_optimizer([(n, self.updated(p)) for n, p in named])
         self.classifier = [self.updated(p) for p in classifier]
         # fp32, laid out as the weights are (shards, rows, stages), starting as their copy.
         self.ema = [self.updated(p).detach().float().clone() for p in self.params] if ema else []
+
+    def set_lr(self, lr: float | Sequence[float]) -> None:
+        """One base rate (each group scaled by its `lr_scale`), or one rate per group."""
+        groups = self.optimizer.param_groups
+        if isinstance(lr, int | float):
+            rates = [lr * g.get("lr_scale", 1.0) for g in groups]
+        else:
+            rates = list(lr)
+        for group, rate in zip(groups, rates, strict=True):
+            group["lr"] = rate
 
     @property
     def optimizer_params(self) -> list[torch.Tensor]:
@@ -124,14 +159,18 @@ class TorchCore:
         self.scaler.scale(loss).backward()
 
     def update(
-        self, lr: float, loss: torch.Tensor, clip: float, norm_of: GradNorm, ema_decay: float = 0.0
+        self,
+        lr: float | Sequence[float],
+        loss: torch.Tensor,
+        clip: float,
+        norm_of: GradNorm,
+        ema_decay: float = 0.0,
     ) -> torch.Tensor:
         """Clip and step (and the EMA), unless the loss or the gradients are not finite; returns
         whether the update was applied (a device bool: every rank computes the same one)."""
         for p, m in self.master.items():
             m.grad = None if p.grad is None else p.grad.float()
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr * group.get("lr_scale", 1.0)
+        self.set_lr(lr)
         self.scaler.unscale_(self.optimizer)
         params = self.optimizer_params
         norm = norm_of(params)
@@ -180,10 +219,10 @@ class TorchCore:
     # --- state by name --------------------------------------------------------------------------
     def named_state(self) -> dict[str, Any]:
         """The live tensors: {'model': weights and persistent buffers (the fp32 masters where
-        there are any), 'optim': {name: AdamW state}}, and the fp16 loss scaler's state. The
-        optimizer's state is made first where no step has made it yet (a checkpoint loads
-        into it)."""
-        init_adamw_state(self.optimizer, self.extra_state)
+        there are any), 'optim': {name: the optimizer's state}}, and the fp16 loss scaler's
+        state. The optimizer's state is made first where no step has made it yet (a checkpoint
+        loads into it)."""
+        init_optimizer_state(self.optimizer, self.extra_state)
         model, optim = {}, {}
         for module in self.modules:
             params = {n: p for n, p in module.named_parameters()}

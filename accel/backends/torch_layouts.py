@@ -20,7 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
 from accel.backends.torch_core import TorchCore, local_norm
-from accel.config import RunConfig
+from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.losses import eval_sums, soft_target_loss
 from accel.models.factory import ImageClassifier, ModelConfig, create_model
@@ -60,6 +60,11 @@ class Replicas:
         model = create_model(model_cfg, seed=self.cfg.seed)
         if self.cfg.remat:
             model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
+        return self.adopt(model)
+
+    def adopt(self, model: nn.Module) -> list[nn.Module]:
+        """A model built elsewhere (the public API's), on the device; with DDP, every replica
+        starts from rank 0's weights (DDP broadcasts them as it wraps)."""
         self.module = model.to(self.device, dtype=self.param_dtype)
         self.forward = self.wrap(self.module)
         return [self.module]
@@ -111,7 +116,11 @@ class Replicas:
         return state
 
     def classifier(self) -> list[nn.Parameter]:
-        return self.module.classifier_parameters()
+        """The classifier's parameters, whose share of the state is reported apart (a model of
+        the user's own has none named)."""
+        if isinstance(self.module, ImageClassifier):
+            return self.module.classifier_parameters()
+        return []
 
 
 class SplitLayout(Replicas):
@@ -119,6 +128,12 @@ class SplitLayout(Replicas):
     part allocated, its values broadcast from rank 0's whole model."""
 
     sharded_checkpoint = True
+
+    def adopt(self, model: nn.Module) -> list[nn.Module]:
+        raise ConfigError(
+            f"{type(self).__name__.lower()}: a model built outside accel trains replicated "
+            "(shard='none'); split layouts build their model through the command line"
+        )
 
     def materialize(self, model_cfg: ModelConfig, split: Callable[[ImageClassifier], list]) -> list:
         """`split` transforms a model on the meta device into the modules this rank keeps."""

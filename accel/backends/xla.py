@@ -26,22 +26,32 @@ import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+from torch import nn
 
 from accel.amp import amp_policy
-from accel.backends.base import BackendUnavailable, Batch, RecompileError, StepResult, Supports
+from accel.backends.base import (
+    BackendUnavailable,
+    Batch,
+    LossFn,
+    MetricFn,
+    RecompileError,
+    StepResult,
+    Supports,
+)
+from accel.backends.host_reads import refuse_host_reads
 from accel.backends.quiet import quiet_imports
-from accel.backends.torch_core import TorchCore, local_norm
+from accel.backends.torch_core import TorchCore, local_norm, where_guard
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
-from accel.losses import eval_sums, soft_target_loss, summarise
+from accel.losses import classifier_loss, eval_sums, summarise
 from accel.models.factory import ModelConfig, create_model
-from accel.optim import parameter_settings
+from accel.optim import OptimizerSpec, param_groups, parameter_settings
 from accel.parallel import effective_shard
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
@@ -163,27 +173,6 @@ class ParamGroups:
         self.param_groups = [{"params": params}]
 
 
-def updated_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
-    """What an optimizer step changes for `param`: the parameter and its state tensors."""
-    state = {k: v for k, v in optimizer.state.get(param, {}).items() if torch.is_tensor(v)}
-    return {"param": param, **state}
-
-
-def where_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
-    """In the graph, without a host sync: the update is computed, then undone where `finite` is
-    false (AdamW's step count lives on the device: capturable)."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    # Lazy tensors: a clone is a reference to the value in the graph, not a device copy.
-    before = {p: {k: v.clone() for k, v in updated_tensors(optimizer, p).items()} for p in params}
-    optimizer.step()
-    with torch.no_grad():
-        for p in params:
-            for name, new in updated_tensors(optimizer, p).items():
-                # State the first step creates starts at zero (AdamW's moments and count).
-                old = before[p].get(name, torch.zeros_like(new))
-                new.copy_(torch.where(finite, new, old))
-
-
 def syncfree_extra_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
     """What syncfree AdamW keeps unlike torch's AdamW, as its first step makes it: the step
     count on the device, and an empty max_exp_avg_sq."""
@@ -228,12 +217,26 @@ class XlaBackend:
         guard = syncfree_guard if self.syncfree else where_guard
         extra = syncfree_extra_state if self.syncfree else None
         self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
+        self.host_reads = lambda *_: contextlib.nullcontext()
         self.compiles_at_start = compile_count()  # the counters are per process, not per run
         self.compiles_at_warmup: int | None = None
         self.input_shapes: set = set()
 
     def setup(self, model_cfg: ModelConfig) -> None:
         model = create_model(model_cfg, seed=self.cfg.seed)
+        settings = parameter_settings(model, self.cfg.optim)
+        build = lambda named: self.adamw(param_groups(named, settings))  # noqa: E731
+        self.attach(model, build, classifier_loss, model.classifier_parameters())
+
+    def adopt(self, model: nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
+        # capturable: Adam's step count on the device, so where_guard restores it in the graph.
+        flags = {} if optimizer.kind == "SGD" else {"capturable": True}
+        self.attach(model, lambda named: optimizer.build(dict(named), **flags), loss_fn)
+        self.host_reads = refuse_host_reads  # a user's loss: name a hidden execution's line
+
+    def attach(
+        self, model: nn.Module, build_optimizer: Callable, loss_fn: LossFn, head: list = ()
+    ) -> None:
         self.module = self.forward = model.to(self.device, dtype=self.amp.param_dtype)
         if self.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(self.module)
@@ -245,9 +248,8 @@ class XlaBackend:
             self.forward = SpmdFullyShardedDataParallel(self.module, mesh=self.mesh)
         # Device random draws (dropout, stochastic depth) differ between replicas.
         xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
-        head = self.module.classifier_parameters()
-        settings = parameter_settings(self.module, self.cfg.optim)
-        self.core.attach([self.module], settings, self.adamw, head, self.cfg.optim.model_ema)
+        self.core.attach([self.module], build_optimizer, head, self.cfg.optim.model_ema)
+        self.loss_fn = loss_fn
 
     def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
         lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
@@ -290,15 +292,15 @@ class XlaBackend:
         return torch.autocast("xla", dtype=self.amp.dtype)
 
     def train_step(
-        self, micro_batches: list[Batch], lr: float, ema_decay: float = 0.0
+        self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
         """One graph: forward and backward of every micro-batch, the explicit gradient
         all-reduce, clipping, the guarded update and the EMA's; returns [mean loss, applied]."""
         total = torch.zeros((), device=self.device)
-        for images, targets, *extra in micro_batches:
-            with self.autocast():
-                logits = self.forward(images, *extra)
-                loss = soft_target_loss(logits, targets) / len(micro_batches)
+        for batch in micro_batches:
+            batch = tuple(t.to(self.device) for t in batch)
+            with self.autocast(), self.host_reads("xla", "xla"):
+                loss = self.loss_fn(self.forward, batch) / len(micro_batches)
             self.core.backward(loss)
             total += loss.detach()
         self.reduce_gradients()
@@ -367,6 +369,30 @@ class XlaBackend:
         sums = self.all_reduce(sums)
         torch_xla.sync()
         return summarise(sums.cpu().tolist())
+
+    def evaluate_sums(
+        self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        with self.core.ema_weights() if ema else contextlib.nullcontext():
+            return self._evaluate_sums(batches, metric_fn)
+
+    @torch.no_grad()
+    def _evaluate_sums(self, batches: Iterable[Batch], metric_fn: MetricFn) -> dict[str, float]:
+        self.module.eval()
+        totals: dict[str, torch.Tensor] = {}
+        for batch in batches:
+            batch = tuple(t.to(self.device) for t in batch)
+            with self.autocast():
+                sums = metric_fn(self.forward, batch)
+            # A count made on the host (torch.tensor(len(y))) joins the device's values.
+            sums = {k: torch.as_tensor(v, device=self.device).float() for k, v in sums.items()}
+            totals = {k: totals.get(k, 0) + v.detach() for k, v in sums.items()}
+            torch_xla.sync()
+        self.module.train()
+        keys = sorted(totals)
+        stacked = self.all_reduce(torch.stack([totals[k] for k in keys]))
+        torch_xla.sync()
+        return dict(zip(keys, stacked.cpu().tolist(), strict=True))
 
     # --- state --------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:

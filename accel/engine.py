@@ -1,0 +1,265 @@
+"""accel in your own training script: the backend switch as a library.
+
+    import accel
+
+    engine = accel.prepare(model, optimizer, loss_fn, schedule=lr_at, clip_grad=1.0, amp="O1")
+    pending = []
+    for images, targets in engine.loader(train_loader):
+        pending.append(engine.step(images, targets))   # the whole optimizer step, on the device
+        if len(pending) == 50:
+            print(engine.fetch(pending)); pending.clear()   # one host sync for the group
+    print(engine.evaluate(val_loader, metric_fn))
+    engine.save("checkpoint.pt")
+
+The backend comes from `backend=`, else ACCEL_BACKEND=eager|compile|xla|jax, else USE_ACCEL=1 (the
+XLA compiler: jax on a CUDA GPU, xla elsewhere), else eager: as the command line reads them.
+
+Why a loss function and not `loss.backward()`: the jax backend needs forward, loss, backward and
+update as one pure function (torchax's make_train_step, torch_xla.compile(step, full_graph=True)
+take the whole step too), so accel runs the whole optimizer step: gradient accumulation, AMP, the
+gradient mean over replicas, clipping, the update, the EMA and the non-finite skip. The command
+line's Trainer drives the same backends through the same calls.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+
+from accel.backends import backend_module
+from accel.backends.base import Backend, BackendUnavailable, LossFn, MetricFn, StepResult
+from accel.checkpoint import (
+    FORMAT,
+    CheckpointError,
+    gather_rng,
+    host_rng_state,
+    load_state,
+    read_meta,
+    set_host_rng_state,
+    to_cpu,
+    write_file,
+)
+from accel.config import (
+    AMP_LEVELS,
+    BACKENDS,
+    CompilerConfig,
+    ConfigError,
+    OptimConfig,
+    ParallelConfig,
+    RunConfig,
+)
+from accel.distributed import DistContext, init_process_group
+from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
+from accel.resolve import resolve_backend
+
+AccelError = ConfigError  # every refusal: one line, raised before any weight changes
+Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
+
+
+def cache_dir(backend: str) -> Path:
+    """Where compiled programs persist between runs (JAX's persistent cache)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    return root / "accel" / backend
+
+
+def choose_backend(requested: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
+    """(backend, why), read as the command line reads it."""
+    env = dict(os.environ) if env is None else env
+    if requested is not None and requested not in BACKENDS:
+        raise AccelError(f"unknown backend '{requested}' (choose from {', '.join(BACKENDS)})")
+    return resolve_backend(requested, env)
+
+
+def prepare(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    *,
+    schedule: Schedule = None,
+    clip_grad: float = 0.0,
+    accum: int = 1,
+    amp: str = "O0",
+    amp_dtype: str = "bfloat16",
+    ema: float | None = None,
+    backend: str | None = None,
+    devices: int = 1,
+    seed: int = 0,
+    quiet: bool = False,
+) -> Engine:
+    """Put `model`, `optimizer` and `loss_fn` on the chosen backend; returns the Engine.
+
+    model: any nn.Module (timm, torchvision, your own).
+    optimizer: a torch.optim.AdamW, Adam or SGD over the model's parameters, with its param
+        groups (their own lr and weight decay; timm's `lr_scale` for layer decay). accel rebuilds
+        it over the tensors it updates (jax: translates it to optax); yours is not stepped.
+    loss_fn: (model, batch) -> scalar tensor; `batch` is the tuple given to `step`. Call the
+        model inside: every backend traces it. Read no value on the host (no `.item()`).
+    schedule: the base learning rate as a function of the optimizer step (each group keeps its
+        ratio to the first group's rate), or a torch LRScheduler bound to `optimizer`.
+    clip_grad: the gradients' global norm limit, after the mean over replicas (0: none).
+    accum: micro-batches each `step` batch is split into (same result, less memory).
+    amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
+    ema: keep an exponential moving average of the weights with this decay.
+    backend: eager, compile, xla or jax (default: ACCEL_BACKEND, USE_ACCEL, else eager).
+    devices: devices one process drives (xla's SPMD mesh, jax's local devices); under torchrun
+        (eager, compile) each process is one replica.
+    """
+    name, why = choose_backend(backend)
+    try:
+        module = backend_module(name)
+    except BackendUnavailable as err:
+        raise AccelError(str(err)) from None
+    spec = OptimizerSpec.of(optimizer, model)
+    refused = spec.refusals()
+    if refused:
+        raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
+    if amp not in AMP_LEVELS:
+        raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{amp}'")
+    if accum < 1 or devices < 1:
+        raise AccelError("accum and devices must be at least 1")
+    cfg = RunConfig(
+        backend=name,
+        amp_level=amp,
+        amp_dtype=amp_dtype,
+        seed=seed,
+        optim=OptimConfig(
+            clip_grad=clip_grad,
+            grad_accum=accum,
+            model_ema=ema is not None,
+            model_ema_decay=ema if ema is not None else 0.9998,
+        ),
+        parallel=ParallelConfig(nproc_per_node=devices),
+        compiler=CompilerConfig(compile_cache=str(cache_dir(name))),
+    )
+    ctx = module.context(cfg)
+    init_process_group(ctx)
+    runner = module.build(cfg, ctx)
+    runner.adopt(model, spec, loss_fn)
+    if not quiet and ctx.is_main:
+        print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
+    return Engine(runner, ctx, LearningRates(spec, schedule), accum, ema or 0.0)
+
+
+class Engine:
+    """A model, optimizer and loss on one backend. Made by `accel.prepare`."""
+
+    def __init__(
+        self, backend: Backend, ctx: DistContext, rates: LearningRates, accum: int, ema: float
+    ):
+        self.runner, self.ctx, self.rates = backend, ctx, rates
+        self.accum, self.ema_decay = accum, ema
+        self.steps_done = 0  # optimizer steps taken (skipped non-finite ones included)
+
+    @property
+    def backend(self) -> str:
+        """The backend's name: eager, compile, xla or jax."""
+        return self.runner.name
+
+    @property
+    def rank(self) -> int:
+        """This process's data-parallel rank (0 with one process)."""
+        return self.runner.data_parallel[0]
+
+    @property
+    def replicas(self) -> int:
+        """How many parts the global batch is split into: processes or devices."""
+        return self.runner.data_parallel[1] * self.runner.local_replicas
+
+    def loader(self, batches: Iterable[Sequence[torch.Tensor]]) -> Iterator[tuple]:
+        """Your loader's batches on the device, prefetched (MpDeviceLoader on xla, a pinned
+        side stream on CUDA, sharded device puts on jax). Under several processes each rank
+        must read its own part of the data: a DataLoader needs a DistributedSampler."""
+        check_sharded(batches, self.runner.data_parallel[1])
+        return self.runner.device_batches(tuple(b) for b in batches)
+
+    def step(self, *batch: Any) -> Any:
+        """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
+        handle that stays on the device until `fetch`."""
+        if len(batch) == 1 and isinstance(batch[0], tuple | list):
+            batch = tuple(batch[0])
+        lrs = self.rates(self.steps_done)
+        handle = self.runner.train_step(self.micro_batches(batch), lrs, self.ema_decay)
+        self.steps_done += 1
+        return handle
+
+    def micro_batches(self, batch: tuple) -> list[tuple]:
+        size = batch[0].shape[0]
+        if size % self.accum:
+            raise AccelError(f"a batch of {size} does not split into accum={self.accum} parts")
+        part = size // self.accum
+        return [tuple(t[i * part : (i + 1) * part] for t in batch) for i in range(self.accum)]
+
+    def fetch(self, handles: Sequence[Any]) -> list[StepResult]:
+        """The steps' (loss, applied) on the host: one sync for the whole group. `loss` is the
+        mean over replicas; `applied` is False where a non-finite loss or gradient skipped the
+        update."""
+        return self.runner.fetch_results(list(handles))
+
+    def evaluate(
+        self, batches: Iterable[Sequence[torch.Tensor]], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        """Sums of `metric_fn(model, batch)` ({name: tensor}) over the batches and the ranks,
+        on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
+        of them)."""
+        check_sharded(batches, self.runner.data_parallel[1])
+        device = self.runner.device_batches(tuple(b) for b in batches)
+        return self.runner.evaluate_sums(device, metric_fn, ema)
+
+    # --- checkpoints: the command line's format, tensors only ------------------------------------
+    def save(self, path: str | Path) -> Path:
+        """Weights, optimizer state (by parameter name), EMA, step count and random states, in
+        the command line's format: it loads on any backend, and `launch_single_task --resume`
+        takes it. Written by rank 0, atomically; call it on every rank."""
+        if self.runner.sharded_checkpoint:
+            raise AccelError("save: sharded layouts save through the command line")
+        path = Path(path)
+        device = {f"device_{k}": v for k, v in self.runner.rng_state().items()}
+        rngs = gather_rng({**host_rng_state(), **device})
+        if self.ctx.is_main:
+            meta = {"loop": {"step": self.steps_done}, "world_size": self.replicas, "rng": rngs}
+            state = to_cpu(self.runner.checkpoint_state())
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_file(path, {"format": FORMAT, "meta": meta, "state": state})
+        return path
+
+    def load(self, path: str | Path) -> None:
+        """Load a checkpoint written by `save` or by the command line (any backend), without
+        unpickling anything but tensors."""
+        path = Path(path)
+        meta = read_meta(path)
+        try:
+            template = load_state(path, self.runner.checkpoint_state())
+        except KeyError as err:
+            raise CheckpointError(f"{path} holds no tensor {err} of this model") from None
+        self.runner.load_checkpoint_state(template)
+        self.steps_done = int(meta["loop"]["step"])
+        states = meta.get("rng") or []
+        if states and meta.get("world_size") == self.replicas:
+            mine = states[min(self.rank, len(states) - 1)]
+            set_host_rng_state(mine)
+            prefix = "device_"
+            self.runner.load_rng_state(
+                {k[len(prefix) :]: v for k, v in mine.items() if k.startswith(prefix)}
+            )
+
+
+def check_sharded(batches: Iterable, ranks: int) -> None:
+    """Under several processes a DataLoader must hand each rank its own part."""
+    if ranks < 2 or not isinstance(batches, DataLoader):
+        return
+    sampler = batches.batch_sampler.sampler if batches.batch_sampler else batches.sampler
+    if not isinstance(sampler, DistributedSampler):
+        raise AccelError(
+            f"{ranks} processes read the same DataLoader: give it "
+            "sampler=DistributedSampler(dataset) so each rank trains on its own part"
+        )
+
+
+__all__ = ["AccelError", "Engine", "StepResult", "choose_backend", "prepare"]
