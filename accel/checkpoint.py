@@ -377,9 +377,11 @@ class CheckpointManager:
         """Check the checkpoint fits this run, then load it into the backend."""
         path = Path(path)
         meta = read_meta(path)
-        problems = resume_mismatches(
-            saved_config(meta), self.cfg, meta["world_size"], self.data_world
-        )
+        problems = []
+        if "config" in meta:  # one the public API saved (Engine.save) holds no options
+            problems = resume_mismatches(
+                saved_config(meta), self.cfg, meta["world_size"], self.data_world
+            )
         other_world = [p for p in problems if p.startswith("world_size")]
         problems = [p for p in problems if p not in other_world]
         if problems:

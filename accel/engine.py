@@ -185,7 +185,10 @@ class Engine:
         if len(batch) == 1 and isinstance(batch[0], tuple | list):
             batch = tuple(batch[0])
         lrs = self.rates(self.steps_done)
-        handle = self.runner.train_step(self.micro_batches(batch), lrs, self.ema_decay)
+        try:
+            handle = self.runner.train_step(self.micro_batches(batch), lrs, self.ema_decay)
+        except BackendUnavailable as err:  # an op the backend cannot lower: one line
+            raise AccelError(str(err)) from None
         self.steps_done += 1
         return handle
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -13,7 +14,7 @@ from timm.scheduler import CosineLRScheduler
 from timm.utils import ModelEmaV3
 from torch import nn
 
-from accel.config import OptimConfig
+from accel.config import ConfigError, OptimConfig
 
 Settings = dict[str, tuple[float, float]]  # parameter name -> (lr scale, weight decay)
 
@@ -103,8 +104,8 @@ HYPERPARAMETERS = {
 }
 
 
-class OptimizerError(ValueError):
-    """An optimizer a backend cannot run: one line."""
+class OptimizerError(ConfigError):
+    """An optimizer a backend cannot run: one line, exit 2."""
 
 
 @dataclass(frozen=True)
@@ -199,7 +200,9 @@ class LearningRates:
             rates = self.base
         elif isinstance(s, torch.optim.lr_scheduler.LRScheduler):
             while self.stepped < step:  # the scheduler counts its own steps
-                s.step()
+                with warnings.catch_warnings():  # the user's optimizer never steps: accel's does
+                    warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
+                    s.step()
                 self.stepped += 1
             rates = [float(g["lr"]) for g in s.optimizer.param_groups]
         else:

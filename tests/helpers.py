@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 
 import psutil
+import torch
+from torch import nn
 
 from accel.config import RunConfig, leaf_fields, replace_path
 from accel.data.config import DataConfig
@@ -157,3 +159,60 @@ def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
     return None
+
+
+# --- a user's own script, for the public API's tests ----------------------------------------
+class Net(nn.Module):
+    """A user's own model: a conv stem (jax differentiates the convolution itself), a norm, a
+    head."""
+
+    def __init__(self, classes: int = 5):
+        super().__init__()
+        self.stem = nn.Conv2d(3, 8, 3, stride=2, padding=1)
+        self.norm = nn.LayerNorm(8)
+        self.head = nn.Linear(8, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.stem(x).mean((2, 3))
+        return self.head(nn.functional.gelu(self.norm(features)))
+
+
+def api_loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+    images, labels = batch
+    return nn.functional.cross_entropy(model(images), labels)
+
+
+def api_metric_fn(model: nn.Module, batch: tuple) -> dict:
+    images, labels = batch
+    return {"correct": (model(images).argmax(-1) == labels).sum(), "count": len(labels)}
+
+
+def colour_batches(count: int = 5, size: int = 16, seed: int = 0) -> list[tuple]:
+    """Images whose class sets their mean colour."""
+    g = torch.Generator().manual_seed(seed)
+    colours = torch.rand(5, 3, 1, 1, generator=torch.Generator().manual_seed(7))
+    out = []
+    for _ in range(count):
+        labels = torch.randint(0, 5, (size,), generator=g)
+        out.append((colours[labels] + 0.3 * torch.randn(size, 3, 8, 8, generator=g), labels))
+    return out
+
+
+def grouped(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    """Two param groups: no weight decay on norms and biases, and the head at twice the rate."""
+    decay = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.startswith("head")]
+    flat = [p for p in model.parameters() if p.ndim <= 1]
+    head = [model.head.weight]
+    groups = [
+        {"params": decay},
+        {"params": flat, "weight_decay": 0.0},
+        {"params": head, "lr": 2 * LR[kind]},
+    ]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=LR[kind], momentum=0.9, nesterov=True, weight_decay=1e-3)
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=LR[kind], weight_decay=1e-3)
+    return torch.optim.AdamW(groups, lr=LR[kind], weight_decay=0.05)
+
+
+LR = {"adamw": 1e-2, "adam": 1e-2, "sgd": 0.1}

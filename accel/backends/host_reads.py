@@ -7,15 +7,15 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from accel.config import ConfigError
 
 # torch.Tensor methods that hand a value to Python (each waits for the device).
-HOST_READS = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
+HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
 # Frames of these folders are the libraries', not the user's.
 LIBRARIES = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, contextlib))
 OURS = str(Path(__file__).resolve().parents[1])
@@ -49,25 +49,18 @@ def host_read_line(err: BaseException) -> str:
     return describe(traceback.extract_tb(err.__traceback__))
 
 
-@contextlib.contextmanager
-def refuse_host_reads(device_type: str, backend: str) -> Iterator[None]:
-    """While the block runs, a host read of a `device_type` tensor raises HostRead naming the
-    caller's line. Patched on torch.Tensor for the block only: torch_xla would otherwise run
-    the graph so far and wait for its value, silently."""
-    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+class RefuseHostReads(TorchFunctionMode):
+    """While active, a host read of a `device_type` tensor raises HostRead naming the caller's
+    line: torch_xla would otherwise run the graph so far and wait for its value, silently."""
 
-    def guard(original):
-        def read(self, *args, **kwargs):
-            if self.device.type == device_type:
-                raise HostRead(f"the {backend} backend {describe(traceback.extract_stack())}")
-            return original(self, *args, **kwargs)
+    def __init__(self, device_type: str, backend: str):
+        super().__init__()
+        self.device_type, self.backend = device_type, backend
 
-        return read
-
-    for name, original in originals.items():
-        setattr(torch.Tensor, name, guard(original))
-    try:
-        yield
-    finally:
-        for name, original in originals.items():
-            setattr(torch.Tensor, name, original)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        device = getattr(args[0], "device", None) if args else None
+        if name in HOST_READS and device is not None and device.type == self.device_type:
+            where = describe(traceback.extract_stack())
+            raise HostRead(f"the {self.backend} backend {where}")
+        return func(*args, **(kwargs or {}))

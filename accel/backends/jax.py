@@ -254,7 +254,8 @@ class OptaxGroups:
         decay = [optax.add_decayed_weights(h["weight_decay"])] if h.get("weight_decay") else []
         if self.spec.kind == "SGD":
             momentum = [optax.trace(h["momentum"], h["nesterov"])] if h.get("momentum") else []
-            return optax.chain(*decay, *momentum)  # torch's SGD: decay coupled to the gradient
+            parts = [*decay, *momentum]  # torch's SGD: decay coupled to the gradient
+            return optax.chain(*parts) if parts else optax.identity()
         b1, b2 = h["betas"]
         adam = optax.scale_by_adam(b1=b1, b2=b2, eps=h["eps"])
         if self.spec.kind == "AdamW" or h.get("decoupled_weight_decay"):
@@ -483,9 +484,11 @@ class JaxBackend:
         optim = self.cfg.optim  # a description of the optimizer: it never steps
         adamw = torch.optim.AdamW(param_groups(named, settings), lr=optim.lr, betas=optim.betas)
         self.adopt(model, OptimizerSpec.of(adamw, model), classifier_loss)
+        self.model_label = model_cfg.name
 
     def adopt(self, model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
         self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
+        self.model_label = type(model).__name__
         self.optimizer = OptaxGroups(optimizer)
         self.loss_fn = loss_fn
         trained = {n for g in optimizer.groups for n in g.names}
@@ -676,7 +679,7 @@ class JaxBackend:
             yield
         except OperatorNotFound as err:
             raise BackendUnavailable(
-                f"torchax cannot lower an op of the model: {err}; "
+                f"torchax cannot lower an op of {self.model_label}: {err}; "
                 "train it with the eager, compile or xla backend"
             ) from None
         except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError) as err:

@@ -44,7 +44,7 @@ from accel.backends.base import (
     StepResult,
     Supports,
 )
-from accel.backends.host_reads import refuse_host_reads
+from accel.backends.host_reads import RefuseHostReads
 from accel.backends.quiet import quiet_imports
 from accel.backends.torch_core import TorchCore, local_norm, where_guard
 from accel.config import ConfigError, RunConfig
@@ -232,7 +232,7 @@ class XlaBackend:
         # capturable: Adam's step count on the device, so where_guard restores it in the graph.
         flags = {} if optimizer.kind == "SGD" else {"capturable": True}
         self.attach(model, lambda named: optimizer.build(dict(named), **flags), loss_fn)
-        self.host_reads = refuse_host_reads  # a user's loss: name a hidden execution's line
+        self.host_reads = RefuseHostReads  # a user's loss: name a hidden execution's line
 
     def attach(
         self, model: nn.Module, build_optimizer: Callable, loss_fn: LossFn, head: list = ()

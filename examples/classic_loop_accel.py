@@ -1,0 +1,157 @@
+"""classic_loop.py moved onto accel: the model, optimizer and loss go to accel.prepare, which runs
+the whole step (DDP, autocast, clipping, the update) on the backend that ACCEL_BACKEND or
+USE_ACCEL names. `diff examples/classic_loop.py examples/classic_loop_accel.py` shows the edits.
+
+    python examples/classic_loop_accel.py --steps 20 --out runs/classic-accel
+    ACCEL_BACKEND=jax python examples/classic_loop_accel.py --steps 20 --out runs/classic-jax
+    torchrun --nproc_per_node 2 examples/classic_loop_accel.py --steps 20 --out runs/classic-ddp
+    USE_ACCEL=1 python examples/classic_loop_accel.py --data /data/imagenet --full-size \
+        --model swin_tiny_patch4_window7_224 --img_size 224 --batch_size 128 --epochs 300
+
+Without --data it makes a small folder of JPEGs under --out (a colour per class).
+"""
+
+import argparse
+import json
+import os
+from pathlib import Path
+
+import timm
+import torch
+import torch.distributed as dist
+from PIL import Image
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler
+from torchvision import datasets, transforms
+
+import accel
+
+MEAN, STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+
+def make_folder(root: Path, classes: int = 4, per_class: int = 48, size: int = 40) -> Path:
+    """train/ and val/, a folder of JPEGs per class, each class its own colour."""
+    noise = torch.Generator().manual_seed(0)
+    for split, n in (("train", per_class), ("val", per_class // 4)):
+        for c in range(classes):
+            folder = root / split / f"class{c}"
+            folder.mkdir(parents=True, exist_ok=True)
+            colour = torch.rand(3, generator=torch.Generator().manual_seed(c)) * 255
+            for i in range(n):
+                pixels = colour + 40 * torch.randn(size, size, 3, generator=noise)
+                Image.fromarray(pixels.clamp(0, 255).byte().numpy()).save(folder / f"{i}.jpg")
+    return root
+
+
+def parse() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--data", type=Path, help="an ImageNet-style folder (train/, val/)")
+    p.add_argument("--model", default="vit_tiny_patch16_224")
+    p.add_argument("--full-size", action="store_true", help="the model as timm builds it")
+    p.add_argument("--img_size", type=int, default=32)
+    p.add_argument("--batch_size", type=int, default=16)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--epochs", type=int, default=100)
+    p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: none)")
+    p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--out", type=Path, default=Path("runs/classic"))
+    return p.parse_args()
+
+
+def loaders(root: Path, size: int, batch: int, workers: int, distributed: bool) -> tuple:
+    train_set = datasets.ImageFolder(
+        root / "train",
+        transforms.Compose([
+            transforms.RandomResizedCrop(size, scale=(0.5, 1.0)),
+            transforms.RandomHorizontalFlip(),
+            transforms.ToTensor(),
+            transforms.Normalize(MEAN, STD),
+        ]),
+    )  # fmt: skip
+    val_set = datasets.ImageFolder(
+        root / "val",
+        transforms.Compose([
+            transforms.Resize(size),
+            transforms.CenterCrop(size),
+            transforms.ToTensor(),
+            transforms.Normalize(MEAN, STD),
+        ]),
+    )  # fmt: skip
+    sampler = DistributedSampler(train_set, seed=0) if distributed else None
+    val_sampler = DistributedSampler(val_set, shuffle=False) if distributed else None
+    order = torch.Generator().manual_seed(0)
+    train = DataLoader(
+        train_set, batch, shuffle=sampler is None, sampler=sampler, num_workers=workers,
+        drop_last=True, generator=order,
+    )  # fmt: skip
+    val = DataLoader(val_set, batch, sampler=val_sampler, num_workers=workers, drop_last=True)
+    return train, val, sampler, len(train_set.classes)
+
+
+def main() -> None:
+    args = parse()
+    distributed = int(os.environ.get("WORLD_SIZE", 1)) > 1
+    if distributed:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    rank = dist.get_rank() if distributed else 0
+    root = args.data or args.out / "data"
+    if args.data is None and rank == 0:
+        make_folder(root)
+    if distributed:
+        dist.barrier()
+    train, val, sampler, classes = loaders(
+        root, args.img_size, args.batch_size, args.workers, distributed
+    )
+
+    torch.manual_seed(0)
+    small = {} if args.full_size else {"patch_size": 8, "depth": 2}
+    model = timm.create_model(args.model, img_size=args.img_size, num_classes=classes, **small)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
+    total = args.steps or args.epochs * len(train)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+
+    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+        images, targets = batch
+        return criterion(model(images), targets)
+
+    amp = "O1" if args.amp else "O0"
+    engine = accel.prepare(model, optimizer, loss_fn, schedule=scheduler, clip_grad=1.0, amp=amp)
+
+    losses = []
+    for epoch in range(args.epochs):
+        if sampler is not None:
+            sampler.set_epoch(epoch)
+        pending = []
+        for images, targets in engine.loader(train):
+            pending.append(engine.step(images, targets))  # stays on the device: no sync
+            if len(losses) + len(pending) == total:
+                break
+        losses += [result.loss for result in engine.fetch(pending)]  # mean over ranks
+        correct, count = evaluate(engine, val)
+        if rank == 0:
+            print(f"epoch {epoch}: loss {losses[-1]:.4f}, val top-1 {correct / count:.3f}")
+        if len(losses) == total:
+            break
+
+    if rank == 0:
+        record = {"backend": engine.backend, "losses": losses}
+        (args.out / "losses.json").write_text(json.dumps(record))
+    engine.save(args.out / "checkpoint.pt")  # on every rank; rank 0 writes
+    if distributed:
+        dist.destroy_process_group()
+
+
+def evaluate(engine: accel.Engine, val: DataLoader) -> tuple[float, float]:
+    def metric_fn(model: nn.Module, batch: tuple) -> dict:
+        images, targets = batch
+        predicted = model(images).argmax(-1)
+        return {"correct": (predicted == targets).sum(), "count": len(targets)}
+
+    sums = engine.evaluate(val, metric_fn)  # summed over the batches and the ranks
+    return sums["correct"], sums["count"]
+
+
+if __name__ == "__main__":
+    main()

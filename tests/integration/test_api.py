@@ -1,0 +1,230 @@
+"""The public API (accel.prepare) on every backend: a model of the user's own, the optimizers
+and their translation to optax, the command line's losses, checkpoints across backends and
+with the command line, and each refusal as one line."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from accel.checkpoint import latest_checkpoint
+from accel.data.loaders import build_train_loader
+from accel.distributed import DistContext
+from accel.losses import classifier_loss
+from accel.models.factory import create_model
+from accel.optim import LRSchedule, param_groups, parameter_settings
+from accel.train import Trainer, host_tuple, seed_everything
+from tests.helpers import (
+    HAS_XLA,
+    LR,
+    Net,
+    grouped,
+    micro_config,
+)
+from tests.helpers import (
+    api_loss_fn as loss_fn,
+)
+from tests.helpers import (
+    api_metric_fn as metric_fn,
+)
+from tests.helpers import (
+    colour_batches as batches,
+)
+
+BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile", "jax"]
+PARITY = {"rel": 1e-4, "abs": 1e-5}  # fp32 across compilers: the backends' parity tests' bound
+
+
+def train(backend: str, kind: str, steps: int = 5, **options) -> tuple[list[float], dict]:
+    """A user's script: losses and the final weights by name."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = grouped(model, kind)
+    schedule = lambda step: LR[kind] * 0.8**step  # noqa: E731
+    engine = accel.prepare(
+        model, optimizer, loss_fn, backend=backend, schedule=schedule, quiet=True, **options
+    )
+    handles = [engine.step(*b) for b in engine.loader(batches(steps))]
+    losses = [r.loss for r in engine.fetch(handles)]
+    return losses, engine.runner.checkpoint_state()["model"]
+
+
+_reference: dict = {}
+
+
+def reference(kind: str) -> tuple[list[float], dict]:
+    if kind not in _reference:
+        _reference[kind] = train("eager", kind, clip_grad=1.0)
+    return _reference[kind]
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_users_own_module_trains_alike_on_every_backend(backend, kind):
+    losses, _ = train(backend, kind, clip_grad=1.0)
+    want, _ = reference(kind)
+    assert losses == pytest.approx(want, **PARITY)
+    assert losses[-1] < losses[0]
+
+
+def test_an_lr_scheduler_sets_each_groups_rate():
+    model = Net()
+    optimizer = grouped(model, "adamw")
+    decay = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    engine = accel.prepare(model, optimizer, loss_fn, schedule=decay, quiet=True)
+    assert engine.rates(0) == [1e-2, 1e-2, 2e-2]
+    assert engine.rates(2) == pytest.approx([2.5e-3, 2.5e-3, 5e-3])
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_accumulation_and_the_ema_and_evaluation(backend):
+    """accum=2 gives the whole batch's step; the EMA's weights evaluate apart."""
+    torch.manual_seed(0)
+    whole, _ = train(backend, "adamw")
+    split, _ = train(backend, "adamw", accum=2)
+    assert split == pytest.approx(whole, **PARITY)
+    model = Net()
+    engine = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, ema=0.5)
+    engine.fetch([engine.step(*b) for b in batches()])
+    ema = engine.evaluate(batches(), metric_fn, ema=True)
+    state = engine.runner.checkpoint_state()
+    assert not torch.equal(state["ema"]["head.weight"], state["model"]["head.weight"])
+    model = Net()  # the EMA's weights as a model's own: the same sums
+    other = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, quiet=True)
+    other.runner.load_checkpoint_state({"model": state["ema"], "optim": state["optim"]})
+    assert other.evaluate(batches(), metric_fn) == ema
+    assert ema["count"] == 80
+
+
+def test_the_api_gives_the_command_line_losses(tmp_path):
+    """The Trainer's own job rebuilt from the same parts through accel.prepare."""
+    cfg = micro_config(tmp_path, steps=4)
+    cli = Trainer(cfg, DistContext()).train()["losses"]
+
+    seed_everything(cfg.seed)
+    model = create_model(cfg.model, seed=cfg.seed)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = param_groups(named, parameter_settings(model, cfg.optim))
+    optimizer = torch.optim.AdamW(groups, lr=cfg.optim.lr, betas=cfg.optim.betas)
+    seed_everything(cfg.seed)
+    loader = build_train_loader(cfg.data, 32, cfg.batch_size, (0, 1), cfg.seed, 10)
+    schedule = LRSchedule(cfg.optim, 4, len(loader.batch_sampler))
+    engine = accel.prepare(
+        model, optimizer, classifier_loss, schedule=schedule, clip_grad=cfg.optim.clip_grad
+    )
+    handles = [engine.step(*host_tuple(b)) for _, b in zip(range(4), loader, strict=False)]
+    assert [r.loss for r in engine.fetch(handles)] == pytest.approx(cli, rel=1e-6)
+
+
+@pytest.mark.parametrize(("saver", "loader"), [("jax", "eager"), ("eager", "xla")])
+def test_a_checkpoint_saved_on_one_backend_loads_on_another(tmp_path, saver, loader):
+    if "xla" in (saver, loader) and not HAS_XLA:
+        pytest.skip("torch_xla is not installed")
+    torch.manual_seed(0)
+    model = Net()
+    first = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=saver, ema=0.9)
+    first.fetch([first.step(*b) for b in batches(3)])
+    path = first.save(tmp_path / "api.pt")
+    saved = first.evaluate(batches(2, seed=1), metric_fn)
+    model = Net()
+    second = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=loader, ema=0.9)
+    second.load(path)
+    assert second.steps_done == 3
+    assert second.evaluate(batches(2, seed=1), metric_fn) == saved
+    # The optimizer state came along: two more steps go the same way on both.
+    after = [e.fetch([e.step(*b) for b in batches(2, seed=2)]) for e in (first, second)]
+    assert [r.loss for r in after[1]] == pytest.approx([r.loss for r in after[0]], **PARITY)
+
+
+def test_the_command_line_and_the_api_load_each_others_checkpoints(tmp_path):
+    cfg = micro_config(tmp_path, steps=2)
+    Trainer(cfg, DistContext()).train()
+    cli_checkpoint = latest_checkpoint(cfg.run_dir())
+
+    model = create_model(cfg.model, seed=cfg.seed)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(param_groups(named, parameter_settings(model, cfg.optim)))
+    engine = accel.prepare(model, optimizer, classifier_loss, backend="jax", quiet=True)
+    engine.load(cli_checkpoint)
+    assert engine.steps_done == 2
+    images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8)
+    engine.fetch([engine.step(images, torch.softmax(torch.randn(8, 10), -1))])
+    api_checkpoint = engine.save(tmp_path / "api" / "step_3.pt")
+
+    resumed = micro_config(tmp_path, steps=5, resume=str(api_checkpoint), run_name="r")
+    result = Trainer(resumed, DistContext()).train()  # steps 4 and 5 of 5
+    assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
+
+
+# --- refusals: one line each, before any weight changes --------------------------------------
+@pytest.mark.parametrize(
+    ("make", "match"),
+    [
+        (lambda p: torch.optim.AdamW(p, amsgrad=True), "AdamW with amsgrad=True"),
+        (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), "SGD dampening"),
+        (lambda p: torch.optim.RMSprop(p), "accel runs torch.optim.AdamW"),
+    ],
+)
+def test_an_optimizer_jax_cannot_translate_is_refused_in_one_line(make, match):
+    model = Net()
+    with pytest.raises(accel.AccelError, match=match) as err:
+        accel.prepare(model, make(model.parameters()), loss_fn, backend="jax", quiet=True)
+    assert "\n" not in str(err.value)
+
+
+def test_maximize_is_refused_on_every_backend():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, maximize=True)
+    with pytest.raises(accel.AccelError, match="maximize=True"):
+        accel.prepare(model, optimizer, loss_fn, backend="eager", quiet=True)
+
+
+def host_reading_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    loss = loss_fn(model, batch)
+    print(f"loss {loss.item()}")  # the line the refusal names
+    return loss
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("xla", "jax")])
+def test_a_loss_that_reads_a_value_on_the_host_is_refused_with_its_line(backend):
+    torch.manual_seed(0)
+    model = Net()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    engine = accel.prepare(model, grouped(model, "sgd"), host_reading_loss, backend=backend)
+    with pytest.raises(accel.AccelError) as err:
+        engine.step(*batches(1)[0])
+    line = str(err.value)
+    assert "\n" not in line and f"{Path(__file__).name}:" in line
+    assert 'print(f"loss {loss.item()}")' in line
+    state = engine.runner.checkpoint_state()["model"]
+    assert all(torch.equal(state[n].cpu(), before[n]) for n in before)  # no weight changed
+
+
+def test_an_op_torchax_cannot_lower_is_named(monkeypatch):
+    import torchax
+
+    monkeypatch.delitem(torchax.default_env()._ops, torch.ops.aten.gelu)
+    model = Net()
+    engine = accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="jax", quiet=True)
+    with pytest.raises(accel.AccelError, match=r"Net: .*aten::gelu"):
+        engine.step(*batches(1)[0])
+
+
+def test_a_backend_named_in_the_environment_is_used(monkeypatch):
+    monkeypatch.setenv("ACCEL_BACKEND", "jax")
+    model = Net()
+    assert accel.prepare(model, grouped(model, "sgd"), loss_fn, quiet=True).backend == "jax"
+    monkeypatch.setenv("ACCEL_BACKEND", "tpu")
+    with pytest.raises(accel.AccelError, match="ACCEL_BACKEND must be one of"):
+        accel.prepare(model, grouped(model, "sgd"), loss_fn, quiet=True)
+
+
+def test_an_optimizer_over_other_parameters_is_refused():
+    optimizer = torch.optim.AdamW(Net().parameters())
+    with pytest.raises(accel.AccelError, match="not the model's"):
+        accel.prepare(Net(), optimizer, loss_fn, quiet=True)
