@@ -1,0 +1,38 @@
+"""A user's script on several replicas, for the public API's tests: each replica trains on its
+part of the same global batches; writes the losses and final weights to OUT.
+
+    python -m tests.api_replicas BACKEND DEVICES OUT          (one process, DEVICES devices)
+    torchrun --nproc_per_node 2 -m tests.api_replicas eager 1 OUT
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import accel
+from tests.helpers import Net, api_loss_fn, colour_batches, grouped
+
+
+def main() -> None:
+    backend, devices, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    torch.manual_seed(0)
+    model = Net()
+    engine = accel.prepare(
+        model, grouped(model, "adamw"), api_loss_fn, backend=backend, devices=devices,
+        clip_grad=1.0, quiet=True,
+    )  # fmt: skip
+    rank, ranks = engine.rank, engine.replicas // devices  # processes split the data
+    part = 16 // ranks
+    mine = [tuple(t[rank * part : (rank + 1) * part] for t in b) for b in colour_batches(4)]
+    losses = [r.loss for r in engine.fetch([engine.step(*b) for b in engine.loader(mine)])]
+    state = engine.runner.checkpoint_state()["model"]
+    if rank == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        weights = {n: t.float().flatten()[:4].tolist() for n, t in state.items()}
+        (out / "result.json").write_text(json.dumps({"losses": losses, "weights": weights}))
+
+
+if __name__ == "__main__":
+    main()

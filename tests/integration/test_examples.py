@@ -1,0 +1,103 @@
+"""The examples run as the README and docs/api.md show them, verbatim, and compare: minimal.py
+gives the same losses on every backend; classic_loop_accel.py gives classic_loop.py's."""
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+
+import pytest
+
+from tests.helpers import HAS_XLA, ROOT
+
+pytestmark = pytest.mark.slow
+DOCS = ("README.md", "docs/api.md")
+
+
+def documented(prefix: str) -> list[str]:
+    """Every command line in the docs that starts with `prefix` (an env assignment may lead)."""
+    found = []
+    for doc in DOCS:
+        text = (ROOT / doc).read_text() if (ROOT / doc).is_file() else ""
+        found += re.findall(rf"^((?:[A-Z_]+=\S+ )*{re.escape(prefix)}.*)$", text, re.M)
+    return sorted(set(found))
+
+
+def run(command: str, tmp_path) -> dict:
+    """Run a documented command verbatim (its output folder under tmp_path); its losses.json."""
+    words = shlex.split(command)
+    env = dict(os.environ, PJRT_DEVICE="CPU", JAX_PLATFORMS="cpu")
+    while "=" in words[0]:
+        key, value = words.pop(0).split("=", 1)
+        env[key] = value
+    out = tmp_path / words[words.index("--out") + 1]
+    words[words.index("--out") + 1] = str(out)
+    words[0] = os.path.join(os.path.dirname(sys.executable), words[0])
+    done = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    return json.loads((out / "losses.json").read_text())
+
+
+def test_minimal_gives_the_same_losses_on_every_backend(tmp_path):
+    commands = documented("python examples/minimal.py")
+    assert len(commands) >= 2, "the docs show minimal.py on two backends or more"
+    runs = [run(c, tmp_path / str(i)) for i, c in enumerate(commands)]
+    backends = {r["backend"] for r in runs}
+    for backend in (
+        {"eager", "compile", "xla", "jax"} - backends - ({"xla"} if not HAS_XLA else set())
+    ):
+        env = f"ACCEL_BACKEND={backend} python examples/minimal.py --steps 20 --out runs/{backend}"
+        runs.append(run(env, tmp_path / backend))
+    first = runs[0]["losses"]
+    assert first[-1] < 0.6 * first[0]  # it learns
+    for r in runs[1:]:
+        assert r["losses"] == pytest.approx(first[: len(r["losses"])], rel=1e-4, abs=1e-5), r
+
+
+def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path):
+    before = run("python examples/classic_loop.py --steps 8 --out runs/classic", tmp_path)
+    for backend in ("eager", "jax"):
+        after = run(
+            f"ACCEL_BACKEND={backend} python examples/classic_loop_accel.py --steps 8 "
+            f"--out runs/{backend}",
+            tmp_path,
+        )
+        assert after["backend"] == backend
+        assert after["losses"] == pytest.approx(before["losses"], rel=1e-4, abs=1e-5)
+
+
+@pytest.mark.parametrize("model", ["vit_b_16", "swin_t"])
+def test_torchvision_models_with_sgd_train_alike_on_every_backend(tmp_path, model):
+    backends = ["eager", "xla", "jax"] if HAS_XLA else ["eager", "jax"]
+    runs = [
+        run(
+            f"ACCEL_BACKEND={b} python examples/torchvision_sgd.py --model {model} --steps 6 "
+            f"--out runs/{b}",
+            tmp_path,
+        )
+        for b in backends
+    ]
+    for r in runs[1:]:
+        assert r["losses"] == pytest.approx(runs[0]["losses"], rel=1e-4, abs=1e-5)
+    assert runs[0]["losses"][-1] < runs[0]["losses"][0]
+
+
+def test_a_script_beside_its_own_models_and_data_imports_its_own(tmp_path):
+    for package in ("models", "data"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text(f"OWNER = 'the user ({package})'\n")
+    (tmp_path / "train.py").write_text(
+        "import torch, accel, models, data\n"
+        "net = torch.nn.Linear(4, 2)\n"
+        "loss = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])\n"
+        "engine = accel.prepare(net, torch.optim.SGD(net.parameters(), lr=0.1), loss)\n"
+        "engine.fetch([engine.step(torch.randn(8, 4), torch.randint(0, 2, (8,)))])\n"
+        "print(models.OWNER, data.OWNER, engine.backend)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "train.py"], cwd=tmp_path, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["the", "user", "(models)", "the", "user", "(data)", "eager"]
