@@ -128,7 +128,10 @@ def main() -> int:
         "epochs": args.epochs,
         "top1_per_epoch": table,
         "final_top1": {b: s["eval_acc"] for b, s in runs.items()},
+        # Speed is not what this run measures (short epochs, an evaluation after each); kept
+        # with the part of the loop spent waiting for data, which says whether the loader set it.
         "images_per_sec": {b: s["images_per_sec"] for b, s in runs.items()},
+        "data_wait_fraction": {b: s.get("data_wait_fraction") for b, s in runs.items()},
     }
     write_result(args.tag, record)
     record = json.loads((results / f"{args.tag}.json").read_text())  # with its date and device
