@@ -173,7 +173,7 @@ def _step_time_lines(ax, runs: list[Run], config: tuple, backends: list[str]) ->
             label = None if labelled else backend
             labelled = True
             if first == last:
-                ax.plot([first], [ms], "o", ms=width + 1, label=label, **style)
+                ax.plot([first], [ms], "o", ms=max(width, 4), label=label, **style)
             else:  # the group's mean, drawn across the steps it covers
                 ax.plot([first - 0.45, last + 0.45], [ms, ms], "-", label=label, **style)
     ax.set_yscale("log")
@@ -295,7 +295,7 @@ def _eval_bars(ax, runs: list[Run], rows: list[dict], config: tuple) -> None:
     level = chance([r for r in runs if r.config == config])
     if level:
         ax.axhline(level, color="black", ls=":", lw=1)
-        ax.text(len(rows) - 0.5, level, f"chance {level:.2f}", va="bottom", ha="right", fontsize=8)
+        ax.text(-0.45, level, f"chance {level:.2f}", va="bottom", ha="left", fontsize=8)
     ax.set_xticks(range(len(rows)), [r["backend"] for r in rows])
     ax.set(
         xlabel="backend",
