@@ -148,12 +148,12 @@ def timeline(runs: list[Run], table: list[dict]) -> Figure:
     fig.text(
         0.5,
         0.01,
-        "top: a dot is one step timed alone; a bar spans steps timed together between two loss "
-        "fetches (--log_every), at their mean; all values medians over the runs",
+        "top: a dot is one step timed alone; a bar spans steps timed together\n"
+        "between two loss fetches (--log_every), at their mean; all values medians over the runs",
         ha="center",
         fontsize=8,
     )
-    fig.tight_layout(rect=(0, 0.03, 1, 1))
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
     return fig
 
 
