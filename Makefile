@@ -51,8 +51,8 @@ bench: setup
 	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro \
 		--backends eager,compile,jax --launches 2 --fed --tag cpu-micro-all-backends
 
-# The README's comparison: the same jobs on each backend, twice each, reported by accel-report
-# into bench/results/plots and into the README's report block (table, picture, provenance).
+# The CPU comparison of docs/benchmarks.md: the same jobs on each backend, twice each, reported by
+# accel-report into bench/results/plots and into that page's report block (table, provenance).
 plot: setup
 	rm -rf $(DEMO)/plot-runs
 	for model in vit_micro swin_micro; do for repeat in 1 2; do \
@@ -60,7 +60,7 @@ plot: setup
 			--model $$model --steps 40 --batch_size 32 --workers 2 \
 			--output $(DEMO)/plot-runs || exit 1; \
 	done; done
-	$(BIN)/accel-report $(DEMO)/plot-runs --out bench/results/plots --readme README.md
+	$(BIN)/accel-report $(DEMO)/plot-runs --out bench/results/plots --readme docs/benchmarks.md
 
 # The walkthroughs: JupyterLab into .venv, and the notebooks executed in place (their outputs are
 # committed, so they read without running). Open them with .venv/bin/jupyter lab notebooks/

@@ -2,7 +2,7 @@
 explicitly. The learning rate is the paper's base rate scaled linearly with the global batch, by
 the base batch that paper (or its official code) scales from, unless --lr is given.
 
-Sources (the README cites them too):
+Sources (docs/training.md cites them too):
 - swin_tiny_in1k: Liu et al., "Swin Transformer", ICCV 2021, Appendix A2.1, and the official
   configs/swin/swin_tiny_patch4_window7_224.yaml; lr 5e-4 per 512 images (main.py's rule).
 - deit_base_in1k: Touvron et al., "Training data-efficient image transformers", ICML 2021,

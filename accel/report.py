@@ -7,8 +7,8 @@ Each picture answers one question: which backend is faster (throughput.png), whe
 (memory.png); accel/figures.py draws them. The table has one row per backend and configuration
 (model, AMP level, global batch, world size) with the median over repeated runs and their count;
 report.csv keeps every run. `--readme FILE` also writes the table and the throughput picture into
-FILE between `<!-- accel-report:begin -->` and `<!-- accel-report:end -->`, with where the numbers
-came from.
+FILE, a Markdown page (`make plot` fills docs/benchmarks.md), between `<!-- accel-report:begin -->`
+and `<!-- accel-report:end -->`, with where the numbers came from.
 
 It reads summary.json and metrics.jsonl only. Unfinished runs (no summary.json) and corrupt lines
 are reported once and left out; the rest is still reported.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import os
 import sys
 from datetime import UTC, datetime
 from pathlib import Path
@@ -81,7 +82,7 @@ def update_readme(readme: Path, table: list[dict], runs: list[Run], picture: Pat
         raise ValueError(f"{readme} has no {README_BEGIN} ... {README_END} block to fill")
     head, rest = text.split(README_BEGIN, 1)
     _, tail = rest.split(README_END, 1)
-    relative = picture.resolve().relative_to(readme.resolve().parent)
+    relative = Path(os.path.relpath(picture.resolve(), readme.resolve().parent)).as_posix()
     columns = (
         "model",
         "backend",

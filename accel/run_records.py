@@ -34,6 +34,7 @@ class Run:
     name: str
     summary: dict[str, Any]
     steps: list[dict] = field(default_factory=list)  # metrics.jsonl's step records, in order
+    num_classes: int | None = None  # from config.json, where it is there: chance is 1 / this
 
     @property
     def config(self) -> tuple:
@@ -72,9 +73,16 @@ def read_run(run_dir: Path, problems: list[str]) -> Run | None:
         return None  # an evaluation, not a training run to compare
     model, backend = run_dir.parts[-3:-1]
     model, backend = summary.get("model", model), summary.get("backend", backend)
-    return Run(
-        model, backend, run_dir.name, summary, read_steps(run_dir / "metrics.jsonl", problems)
-    )
+    steps = read_steps(run_dir / "metrics.jsonl", problems)
+    return Run(model, backend, run_dir.name, summary, steps, _num_classes(run_dir))
+
+
+def _num_classes(run_dir: Path) -> int | None:
+    try:
+        config = json.loads((run_dir / "config.json").read_text())
+        return int(config["model"]["num_classes"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def find_runs(root: Path) -> tuple[list[Run], list[str]]:

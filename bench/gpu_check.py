@@ -1,4 +1,4 @@
-"""What holds on a GPU machine, in stages that each fit one device call (8 minutes on an H100).
+"""What holds on a GPU machine, in stages of at most 8 minutes each on an H100.
 
     python bench/gpu_check.py --stage tests     # the GPU test tier (pytest -m gpu)
     python bench/gpu_check.py --stage bench     # ViT-B/16 and Swin-T, batch 128, O1: eager,
@@ -8,12 +8,12 @@
     python bench/gpu_check.py --smoke           # every stage on CPU with the micro models (< 90 s)
 
 Runs from the source tree as the machine has it, with no install step: wheels it lacks (torchax)
-are read from the ignored `.whl/` folder (README, "Checking a GPU machine"). It prints the versions
-it finds and names each missing piece in one line first. Every stage appends to one results file,
-bench/results/gpu-check-<device>.json with a Markdown twin, copied under $OUT when that is set;
-the file holds the device, driver and versions, and the ratios computed in the same run. A stage
-that runs past its budget is stopped: what it has is written, and the part that did not finish
-is named.
+are read from the ignored `.whl/` folder (docs/benchmarks.md, "Checking a GPU machine"). It
+prints the versions it finds and names each missing piece in one line first. Every stage appends
+to one results file, bench/results/gpu-check-<device>.json (or under --results DIR), with a
+Markdown twin; the file holds the device, driver and versions, and the ratios computed in the
+same run. A stage that runs past its budget is stopped: what it has is written, and the part that
+did not finish is named.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import importlib.metadata as md
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -51,8 +50,8 @@ def wheel_paths() -> list[str]:
 
 
 def environment(smoke: bool) -> dict[str, str]:
-    """The environment of every process a stage starts: the source tree and the carried
-    wheels importable; on CPU (--smoke), XLA and JAX on their CPU platforms."""
+    """The environment of every process a stage starts: the source tree and the copied
+    wheels in .whl/ importable; on CPU (--smoke), XLA and JAX on their CPU platforms."""
     paths = [*wheel_paths(), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     env["PYTHONUNBUFFERED"] = "1"
@@ -106,9 +105,6 @@ class Results:
         }
         self.path.write_text(json.dumps(self.record, indent=2) + "\n")
         self.path.with_suffix(".md").write_text(self.markdown())
-        if os.environ.get("OUT"):
-            for path in (self.path, self.path.with_suffix(".md")):
-                shutil.copy(path, Path(os.environ["OUT"]) / path.name)
 
     def markdown(self) -> str:
         r = self.record

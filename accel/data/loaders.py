@@ -81,7 +81,8 @@ def build_dataset(
             length,
             num_classes,
             (3, image_size, image_size),
-            seed=seed + (0 if split == "train" else 1),
+            seed=seed,  # the class colours: the same in both splits
+            noise_seed=seed + (0 if split == "train" else 1),  # the images: different
         )
     if split == "train":
         transform = train_transform(image_size, cfg, draft=cfg.jpeg_draft)

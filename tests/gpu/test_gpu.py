@@ -1,6 +1,6 @@
 """The GPU tier: what the CPU suite shows for the CUDA paths, on a CUDA GPU. Collected everywhere,
 skipped with the reason where no CUDA device is visible (tests/conftest.py); each at most about a
-minute on an H100. `python bench/gpu_check.py --stage tests` runs them on a lent machine."""
+minute on an H100. `python bench/gpu_check.py --stage tests` runs them on a GPU machine."""
 
 from __future__ import annotations
 

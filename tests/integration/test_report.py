@@ -13,7 +13,7 @@ from matplotlib.colors import to_hex
 from matplotlib.ticker import MaxNLocator
 
 from accel.distributed import DistContext
-from accel.figures import COLOURS, figures
+from accel.figures import COLOURS, STATE_PARTS, figures, step_groups
 from accel.report import README_BEGIN, README_END, aggregate, find_runs, update_readme
 from accel.report import main as report_main
 from accel.train import Trainer
@@ -96,6 +96,26 @@ def test_every_figure_is_titled_labelled_and_keeps_each_backends_colour(run_tree
         for ax in steps_axes:  # integer step ticks
             assert isinstance(ax.xaxis.get_major_locator(), MaxNLocator)
             assert all(float(t).is_integer() for t in ax.get_xticks())
+    finally:
+        for fig in drawn.values():
+            plt.close(fig)
+
+
+def test_the_pictures_draw_what_was_measured(run_tree):
+    runs, _ = find_runs(run_tree)
+    for run in runs:  # steps timed together are one group; every timed step is in one
+        groups = step_groups(run)
+        assert groups[0][:2] == (1, 1)
+        timed = run.series("step_time_s")[0]
+        assert [s for first, last, _ in groups for s in range(first, last + 1)] == timed
+    drawn = figures(runs, aggregate(runs))
+    try:
+        accuracy = [ax for ax in drawn["agreement"].axes if ax.get_ylabel() == "validation top-1"]
+        assert any(list(line.get_ydata()) == [0.1, 0.1] for line in accuracy[0].lines)  # chance
+        state = next(ax for ax in drawn["memory"].axes if "by part" in ax.get_title())
+        held = {p for r in runs for p, n in (r.summary.get("state_bytes") or {}).items() if n}
+        legend = [t.get_text() for t in state.get_legend().get_texts()]
+        assert legend == [p for p in STATE_PARTS if p in held]  # the parts the bars show
     finally:
         for fig in drawn.values():
             plt.close(fig)

@@ -1,5 +1,6 @@
-"""Commands as users type them: the seed's own launch lines verbatim, jax with loader workers,
-and a second launch of a jax job that reuses the first one's compiled step."""
+"""Commands as users type them: the seed's own launch lines and the README's quick start verbatim,
+jax with loader workers, and a second launch of a jax job that reuses the first one's compiled
+step."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import read_summary, run_cli
+from tests.helpers import ROOT, read_summary, run_cli
 
 SCRIPT = Path(sys.executable).with_name("launch_single_task")  # the installed console script
 SEED_COMMANDS = [
@@ -50,6 +51,40 @@ def test_seed_commands_train_a_default_length(tmp_path, command, env, backend, l
     # 1024 synthetic images in batches of 32: one epoch is 32 steps.
     assert summary["steps"] == 32 and summary["global_batch_size"] == 32
     assert all(math.isfinite(x) for x in summary["losses"])
+
+
+def readme_quick_start() -> list[str]:
+    """The launch_single_task lines of the README's quick start, as written there (the README's
+    other sections, and the examples' commands, are tested where their code is)."""
+    text = (ROOT / "README.md").read_text()
+    section = text.split("\n## Quick start\n", 1)[1].split("\n## ", 1)[0]
+    block = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    return [line for line in block.splitlines() if "launch_single_task" in line.split("#")[0]]
+
+
+QUICK_START = readme_quick_start()
+
+
+@pytest.mark.parametrize(
+    "command",
+    [pytest.param(c, marks=[pytest.mark.xla] if "USE_ACCEL=1" in c else []) for c in QUICK_START],
+)
+def test_the_readme_quick_start_runs_as_written_and_learns(tmp_path, command):
+    argv = shlex.split(command.split("#")[0])
+    env = dict(a.split("=", 1) for a in argv[: argv.index("launch_single_task")])
+    argv = [str(SCRIPT), *argv[argv.index("launch_single_task") + 1 :]]
+    result = subprocess.run(
+        argv, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.splitlines()[0].startswith("accel: backend ")
+    assert result.stdout.splitlines()[-1].startswith("accel: ")  # the README's last line
+    summary = read_summary(tmp_path / "runs")
+    assert summary["eval_acc"] >= 0.5  # the README says about 0.9; chance is 0.1
+
+
+def test_the_quick_start_has_an_eager_and_an_accelerated_command():
+    assert len(QUICK_START) == 2 and "USE_ACCEL=1" in QUICK_START[1]
 
 
 def _jax_losses(output: Path, workers: int) -> tuple[list[float], str]:
