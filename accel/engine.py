@@ -69,6 +69,15 @@ def cache_dir(backend: str) -> Path:
     return root / "accel" / backend
 
 
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return default
+    if not raw.isdigit():
+        raise AccelError(f"{name} must be a whole number, got '{raw}'")
+    return int(raw)
+
+
 def choose_backend(requested: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
     """(backend, why), read as the command line reads it."""
     env = dict(os.environ) if env is None else env
@@ -89,7 +98,7 @@ def prepare(
     amp_dtype: str = "bfloat16",
     ema: float | None = None,
     backend: str | None = None,
-    devices: int = 1,
+    devices: int | None = None,
     seed: int = 0,
     quiet: bool = False,
 ) -> Engine:
@@ -108,8 +117,10 @@ def prepare(
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
     ema: keep an exponential moving average of the weights with this decay.
     backend: eager, compile, xla or jax (default: ACCEL_BACKEND, USE_ACCEL, else eager).
-    devices: devices one process drives (xla's SPMD mesh, jax's local devices); under torchrun
-        (eager, compile) each process is one replica.
+    devices: devices one process drives (xla's SPMD mesh, jax's local devices; default:
+        ACCEL_DEVICES, else 1); under torchrun (eager, compile) each process is one replica.
+    seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
+    quiet: say nothing at start (default: one line naming the backend and why).
     """
     name, why = choose_backend(backend)
     try:
@@ -122,6 +133,8 @@ def prepare(
         raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
     if amp not in AMP_LEVELS:
         raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{amp}'")
+    if devices is None:
+        devices = env_int("ACCEL_DEVICES", 1)
     if accum < 1 or devices < 1:
         raise AccelError("accum and devices must be at least 1")
     cfg = RunConfig(

@@ -656,8 +656,7 @@ class JaxBackend:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
         micro_batches = [b if isinstance(b[0], jax.Array) else self._put(b) for b in micro_batches]
         batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
-        state = (self.params, self.opt_state, self.ema, self.count, self.buffers)
-        args = (*state, batch, self.optimizer.rates(lr), jnp.float32(ema_decay))
+        args = self.step_arguments(batch, lr, ema_decay)
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             try:
                 self.params, self.opt_state, self.ema, self.count, result = self.step_fn(*args)
@@ -670,6 +669,12 @@ class JaxBackend:
                 self.step_fn = self._jit_step()
                 self.params, self.opt_state, self.ema, self.count, result = self.step_fn(*args)
         return result
+
+    def step_arguments(self, batch: tuple, lr: float | list[float], ema_decay: float) -> tuple:
+        """What step_fn takes: the state, the batch ([micro-steps, batch, ...] arrays, or their
+        shapes to lower it), the groups' rates and the EMA decay."""
+        state = (self.params, self.opt_state, self.ema, self.count, self.buffers)
+        return (*state, batch, self.optimizer.rates(lr), jnp.float32(ema_decay))
 
     @contextlib.contextmanager
     def _lowering_errors(self):

@@ -76,8 +76,7 @@ def _lowered_step(backend) -> str:
     batch = backend.cfg.batch_size
     images = jax.ShapeDtypeStruct((1, batch, 3, 32, 32), jnp.uint8)
     targets = jax.ShapeDtypeStruct((1, batch, 10), jnp.float32)
-    state = (backend.params, backend.opt_state, backend.ema, backend.buffers)
-    args = (*state, (images, targets), jnp.float32(0), jnp.float32(0))
+    args = backend.step_arguments((images, targets), 0.0, 0.0)
     with attention_override(backend.env, backend.sdpa):
         return backend.step_fn.lower(*args).as_text()
 

@@ -75,7 +75,10 @@ def test_layer_decay_gives_each_parameter_timms_learning_rate_scale(backend, tmp
     names = {id(p): f"model.{n}" for n, p in model.model.named_parameters()}
     want = {names[id(p)]: g["lr_scale"] for g in groups for p in g["params"]}
     if backend == "jax":
-        got = {n: float(s) for n, s in backend_.lr_scales.items()}
+        translated = backend_.optimizer  # optax, one chain per group, each at its own rate
+        rates = translated.rates(1e-3).tolist()
+        groups = zip(translated.spec.groups, rates, strict=True)
+        got = {n: r / 1e-3 for g, r in groups for n in g.names}
     else:
         backend_.core.update(1e-3, torch.tensor(1.0), 0.0, lambda _: torch.tensor(0.0))
         by_id = {id(p): n for n, p in backend_.core.modules[0].named_parameters()}
