@@ -100,7 +100,13 @@ class SkipTracker:
     """Collects the unreadable files that workers skipped; warns once per file."""
 
     def __init__(self, state: LoopState, logger: RunLogger):
-        self.seen, self.state, self.logger = set(state.skipped), state, logger
+        self.logger = logger
+        self.restore(state)
+
+    def restore(self, state: LoopState) -> None:
+        """Record into `state` from now on (a resumed run's), which has seen its own skips. The
+        tracker stays the same object: the evaluator holds its `track`."""
+        self.seen, self.state = set(state.skipped), state
 
     def add(self, paths: Iterable[str]) -> None:
         for path in paths:
@@ -199,7 +205,7 @@ class Trainer:
             return
         saved = self.checkpoints.load(path)
         self.state = LoopState(**saved.loop)
-        self.tracker = SkipTracker(self.state, self.logger)
+        self.tracker.restore(self.state)
         if saved.rng is not None:
             set_host_rng_state(saved.rng)
             prefix = "device_"

@@ -13,7 +13,11 @@ import pytest
 import torch
 
 from accel.checkpoint import read_meta
-from tests.helpers import read_summary, run_cli, start_cli
+from accel.data.config import DataConfig
+from accel.data.prepare import prepare_mock_imagenet
+from accel.distributed import DistContext
+from accel.train import Trainer
+from tests.helpers import micro_config, read_summary, run_cli, start_cli
 
 JOB = (
     "--model",
@@ -172,3 +176,17 @@ def test_two_ranks_resume_their_own_random_streams(tmp_path):
     summaries = [tmp_path / "vit_micro" / "eager" / run / "summary.json" for run in "ab"]
     uninterrupted, resumed = (json.loads(s.read_text())["losses"] for s in summaries)
     assert resumed == uninterrupted
+
+
+def test_after_a_resume_the_images_evaluation_skips_are_counted(tmp_path):
+    """The evaluator records unreadable validation images into the resumed run's state."""
+    root = prepare_mock_imagenet(
+        tmp_path / "data", classes=3, per_class=6, val_per_class=2, size=40, progress=False
+    )
+    bad = next((root / "val").iterdir()) / "truncated.JPEG"
+    bad.write_bytes(b"\xff\xd8\xff\xe0 not a whole jpeg")
+    data = DataConfig(source=str(root), workers=0)
+    first = micro_config(tmp_path, data=data, steps=2, batch_size=4)
+    assert Trainer(first, DistContext()).train()["skipped_images"] == 0  # no evaluation yet
+    resumed = micro_config(tmp_path, data=data, steps=3, batch_size=4, resume="auto", eval=True)
+    assert Trainer(resumed, DistContext()).train()["skipped_images"] == 1
