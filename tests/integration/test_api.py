@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 import accel
+from accel.backends.host_reads import HOST_READS
 from accel.checkpoint import latest_checkpoint
 from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
@@ -228,3 +230,37 @@ def test_an_optimizer_over_other_parameters_is_refused():
     optimizer = torch.optim.AdamW(Net().parameters())
     with pytest.raises(accel.AccelError, match="not the model's"):
         accel.prepare(Net(), optimizer, loss_fn, quiet=True)
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that hands a value to Python (a wait for the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_apis_step_reads_nothing_back_to_the_host(backend):
+    """After the warm-up, steps queue their work and return: no value crosses to the host until
+    fetch (jax: a device-to-host transfer raises)."""
+    torch.manual_seed(0)
+    model = Net()
+    engine = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, quiet=True)
+    data = list(engine.loader(batches(4)))
+    engine.fetch([engine.step(*b) for b in data[:2]])  # compiles, first-step allocations
+    if backend == "jax":
+        import jax
+
+        with jax.transfer_guard_device_to_host("disallow"):
+            handles = [engine.step(*b) for b in data[2:]]
+    else:
+        with HostReads() as reads:
+            handles = [engine.step(*b) for b in data[2:]]
+        assert reads.seen == []
+    assert all(r.applied for r in engine.fetch(handles))
