@@ -12,7 +12,9 @@ from pathlib import Path
 import psutil
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
+from accel.backends.host_reads import HOST_READS
 from accel.config import RunConfig, leaf_fields, replace_path
 from accel.data.config import DataConfig
 from accel.models.factory import ModelConfig
@@ -216,3 +218,16 @@ def grouped(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 
 
 LR = {"adamw": 1e-2, "adam": 1e-2, "sgd": 0.1}
+
+
+class HostReads(TorchFunctionMode):
+    """Records every tensor method that hands a value to Python (a wait for the device)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if getattr(func, "__name__", "") in HOST_READS:
+            self.seen.append(func.__name__)
+        return func(*args, **(kwargs or {}))

@@ -14,7 +14,7 @@ from torch import nn
 
 from accel.amp import amp_policy
 from accel.backends.base import Batch, LossFn, MetricFn, StepResult, Supports
-from accel.backends.torch_core import TorchCore, fused_guard
+from accel.backends.torch_core import TorchCore, fused_guard, metric_sums
 from accel.backends.torch_layouts import make_layout
 from accel.config import SHARD_MODES, RunConfig
 from accel.distributed import DistContext, env_context
@@ -175,22 +175,11 @@ class EagerBackend:
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
         with self.core.ema_weights() if ema else contextlib.nullcontext():
-            return self._evaluate_sums(batches, metric_fn)
-
-    @torch.no_grad()
-    def _evaluate_sums(self, batches: Iterable[Batch], metric_fn: MetricFn) -> dict[str, float]:
-        self.layout.module.eval()
-        totals: dict[str, torch.Tensor] = {}
-        for batch in batches:
-            with self.core.autocast():
-                sums = metric_fn(self.layout.module, batch)
-            # A count made on the host (torch.tensor(len(y))) joins the device's values.
-            sums = {k: torch.as_tensor(v, device=self.device).float() for k, v in sums.items()}
-            totals = {k: totals.get(k, 0) + v.detach() for k, v in sums.items()}
-        self.layout.module.train()
-        keys = sorted(totals)
-        stacked = torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0)
-        return dict(zip(keys, self.layout.sum_over_ranks(stacked).cpu().tolist(), strict=True))
+            layout, core = self.layout, self.core
+            keys, sums = metric_sums(
+                layout.module, layout.module, batches, metric_fn, core.autocast, self.device
+            )
+        return dict(zip(keys, layout.sum_over_ranks(sums).cpu().tolist(), strict=True))
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.layout.checkpoint_view(self.core.named_state())

@@ -278,6 +278,33 @@ class TorchCore:
         return measured
 
 
+@torch.no_grad()
+def metric_sums(
+    module: nn.Module,
+    forward: Callable,
+    batches: Any,
+    metric_fn: Callable,
+    autocast: Callable,
+    device: torch.device,
+    after_batch: Callable[[], None] = lambda: None,
+) -> tuple[list[str], torch.Tensor]:
+    """The names and the summed values of `metric_fn(forward, batch)` over `batches`, on the
+    device and not yet reduced over ranks, `module` in eval mode meanwhile. A value made on the
+    host (a count, `len(y)`) joins the device's. `after_batch`: xla's graph cut per batch."""
+    module.eval()
+    totals: dict[str, torch.Tensor] = {}
+    for batch in batches:
+        batch = tuple(t.to(device) for t in batch)
+        with autocast():
+            sums = metric_fn(forward, batch)
+        sums = {k: torch.as_tensor(v, device=device).detach().float() for k, v in sums.items()}
+        totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
+        after_batch()
+    module.train()
+    keys = sorted(totals)
+    return keys, torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0, device=device)
+
+
 def _storage(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 

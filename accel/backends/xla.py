@@ -46,7 +46,7 @@ from accel.backends.base import (
 )
 from accel.backends.host_reads import RefuseHostReads
 from accel.backends.quiet import quiet_imports
-from accel.backends.torch_core import TorchCore, local_norm, where_guard
+from accel.backends.torch_core import TorchCore, local_norm, metric_sums, where_guard
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.losses import classifier_loss, eval_sums, summarise
@@ -374,25 +374,13 @@ class XlaBackend:
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
         with self.core.ema_weights() if ema else contextlib.nullcontext():
-            return self._evaluate_sums(batches, metric_fn)
-
-    @torch.no_grad()
-    def _evaluate_sums(self, batches: Iterable[Batch], metric_fn: MetricFn) -> dict[str, float]:
-        self.module.eval()
-        totals: dict[str, torch.Tensor] = {}
-        for batch in batches:
-            batch = tuple(t.to(self.device) for t in batch)
-            with self.autocast():
-                sums = metric_fn(self.forward, batch)
-            # A count made on the host (torch.tensor(len(y))) joins the device's values.
-            sums = {k: torch.as_tensor(v, device=self.device).float() for k, v in sums.items()}
-            totals = {k: totals.get(k, 0) + v.detach() for k, v in sums.items()}
+            keys, sums = metric_sums(
+                self.module, self.forward, batches, metric_fn, self.autocast, self.device,
+                after_batch=torch_xla.sync,
+            )  # fmt: skip
+            sums = self.all_reduce(sums)
             torch_xla.sync()
-        self.module.train()
-        keys = sorted(totals)
-        stacked = self.all_reduce(torch.stack([totals[k] for k in keys]))
-        torch_xla.sync()
-        return dict(zip(keys, stacked.cpu().tolist(), strict=True))
+        return dict(zip(keys, sums.cpu().tolist(), strict=True))
 
     # --- state --------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:

@@ -10,10 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from torch.overrides import TorchFunctionMode
 
 import accel
-from accel.backends.host_reads import HOST_READS
 from accel.checkpoint import latest_checkpoint
 from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
@@ -24,6 +22,7 @@ from accel.train import Trainer, host_tuple, seed_everything
 from tests.helpers import (
     HAS_XLA,
     LR,
+    HostReads,
     Net,
     grouped,
     micro_config,
@@ -230,19 +229,6 @@ def test_an_optimizer_over_other_parameters_is_refused():
     optimizer = torch.optim.AdamW(Net().parameters())
     with pytest.raises(accel.AccelError, match="not the model's"):
         accel.prepare(Net(), optimizer, loss_fn, quiet=True)
-
-
-class HostReads(TorchFunctionMode):
-    """Records every tensor method that hands a value to Python (a wait for the device)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

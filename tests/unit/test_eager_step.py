@@ -2,26 +2,10 @@
 
 import pytest
 import torch
-from torch.overrides import TorchFunctionMode
 
 from accel.backends.eager import EagerBackend
 from accel.distributed import DistContext
-from tests.helpers import micro_config
-
-HOST_READS = {"__bool__", "item", "tolist", "cpu", "numpy", "__float__", "__int__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Records every tensor method that hands a value to Python (a device sync on CUDA)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen: list[str] = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", "") in HOST_READS:
-            self.seen.append(func.__name__)
-        return func(*args, **(kwargs or {}))
+from tests.helpers import HostReads, micro_config
 
 
 @pytest.mark.parametrize("level", ["O0", "O1", "O2"])
