@@ -14,7 +14,6 @@ jax.distributed.initialize(), the mesh spans every host's devices and each proce
 from __future__ import annotations
 
 import contextlib
-import functools
 import os
 import queue
 import threading
@@ -348,6 +347,88 @@ class Objective(torch.nn.Module):
         return self.fn(self.model, batch)
 
 
+# --- the step ---------------------------------------------------------------------------------
+LossFnJax = Callable[[dict, dict, tuple, Any], Any]  # (params, consts, batch, key) -> loss
+TrainStep = Callable[..., tuple]
+
+
+def make_train_step(
+    loss_fn: LossFnJax,
+    optimizer: OptaxGroups,
+    mesh: Mesh,
+    *,
+    clip_grad: float = 0.0,
+    seed: int = 0,
+    remat: bool = False,
+    grad_shardings: Any = None,
+) -> TrainStep:
+    """The whole optimizer step as one pure function (what torchax's make_train_step builds):
+
+        (params, opt_state, ema, count, consts, batch, lrs, ema_decay)
+            -> (params, opt_state, ema, count, [mean loss, 1.0 if applied else 0.0])
+
+    `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `data` axis; each
+    device takes its part's gradients, then the explicit mean over the devices (shard_map +
+    pmean, the xla backend's all-reduce). Then torch's clipping, the optimizer (one rate per
+    group, `lrs`), the EMA (empty `ema`: none), and a non-finite loss or gradient leaves
+    everything as it was, with no host sync. `count` (updates applied) keys the random draws;
+    `grad_shardings`: where the gradients go for a sharded update (--shard)."""
+    base_key = jax.random.key(seed)
+    if remat:  # keep the layers' matmul outputs, recompute the rest (attention too)
+        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+        loss_fn = jax.checkpoint(loss_fn, policy=policy)
+
+    def local_grads(params, consts, batch, count):
+        # Random draws differ per step, device and micro-step, and follow from the seed and the
+        # count alone (saved as the backend's random state).
+        key = jax.random.fold_in(jax.random.fold_in(base_key, count), jax.lax.axis_index("data"))
+
+        def micro_step(carry, micro):
+            part, index = micro
+            key_i = jax.random.fold_in(key, index)
+            loss, grads = jax.value_and_grad(loss_fn)(params, consts, part, key_i)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+
+        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+        steps = batch[0].shape[0]
+        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (batch, jnp.arange(steps)))
+        loss, grads = jax.tree.map(lambda x: x / steps, (loss, grads))
+        # The explicit all-reduce: every device ends with the mean gradient of the global batch.
+        return jax.lax.pmean((loss, grads), "data")
+
+    rep = P()
+    grads_fn = jax.shard_map(
+        local_grads,
+        mesh=mesh,
+        check_vma=False,
+        in_specs=(rep, rep, P(None, "data"), rep),  # every array of the batch split
+        out_specs=(rep, rep),
+    )
+
+    def step(params, opt_state, ema, count, consts, batch, lrs, ema_decay):
+        loss, grads = grads_fn(params, consts, batch, count)
+        if grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        grads, norm = torch_clip(grads, clip_grad)
+        new_params, new_state = optimizer.update(grads, opt_state, params, lrs)
+        new_ema = {
+            n: e + (new_params[n].astype(jnp.float32) - e) * (1.0 - ema_decay)
+            for n, e in ema.items()
+        }
+        # (optax.apply_if_finite checks the gradients only, and applies updates again after
+        # max_consecutive_errors.)
+        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
+        params, opt_state, ema = jax.tree.map(
+            lambda new, old: jnp.where(finite, new, old),
+            (new_params, new_state, new_ema),
+            (params, opt_state, ema),
+        )
+        count = count + finite.astype(jnp.int32)
+        return params, opt_state, ema, count, jnp.stack([loss, finite.astype(jnp.float32)])
+
+    return step
+
+
 def torch_clip(grads: dict, max_norm: float) -> tuple[dict, jax.Array]:
     """torch.nn.utils.clip_grad_norm_'s rule (scale by max_norm / (norm + 1e-6) where above),
     written out because optax.clip_by_global_norm divides by the norm alone: the two would part
@@ -467,7 +548,6 @@ class JaxBackend:
         with quiet_imports(), removed_ops():  # torchax registers its ops here
             self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
-        self.base_key = jax.random.key(cfg.seed)
         on_gpu = jax.default_backend() == "gpu"
         self.attention = AttentionKernels(flash=on_gpu)
         # Attention always goes through jax.nn.dot_product_attention (cuDNN flash on GPU):
@@ -563,77 +643,21 @@ class JaxBackend:
     def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> jax.Array:
         return self.run_torch(self.loss_fn, params, buffers, batch, key).astype(jnp.float32)
 
-    def _local_grads(self, params, buffers, batch, count):
-        """Mean loss and gradient of the global batch, from this device's part of it (`batch`:
-        every array [micro-steps, batch, ...]); every device ends with both."""
-        # Random draws differ per step, device and micro-step, and follow from the seed and the
-        # step count alone (saved as this backend's random state).
-        key = jax.random.fold_in(self.base_key, count)
-        key = jax.random.fold_in(key, jax.lax.axis_index("data"))
-
-        loss_fn = self._loss
-        if self.cfg.remat:  # keep the layers' matmul outputs, recompute the rest (attention too)
-            loss_fn = jax.checkpoint(
-                loss_fn, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            )
-
-        def micro_step(carry, micro):
-            batch, index = micro
-            loss, grads = jax.value_and_grad(loss_fn)(
-                params, buffers, batch, jax.random.fold_in(key, index)
-            )
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
-
-        zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-        micro_steps = jnp.arange(batch[0].shape[0])
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (batch, micro_steps))
-        loss, grads = jax.tree.map(lambda x: x / batch[0].shape[0], (loss, grads))
-        # The explicit all-reduce: every device ends with the mean gradient of the global batch.
-        return jax.lax.pmean((loss, grads), "data")
-
-    def _step(self, params, opt_state, ema, count, buffers, batch, lrs, ema_decay, grads_fn):
-        """One optimizer step (and the EMA's). The update runs on the sharded state where
-        --shard splits it (the updates are elementwise; the clipping and finiteness norms are
-        global, XLA reduces them)."""
-        loss, grads = grads_fn(params, buffers, batch, count)
-        grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
-        grads, norm = torch_clip(grads, self.cfg.optim.clip_grad)
-        new_params, new_state = self.optimizer.update(grads, opt_state, params, lrs)
-        new_ema = {  # empty without --model_ema
-            n: e + (new_params[n].astype(jnp.float32) - e) * (1.0 - ema_decay)
-            for n, e in ema.items()
-        }
-        # A non-finite loss or gradient leaves weights, optimizer state and EMA as they were,
-        # with no host sync. (optax.apply_if_finite checks the gradients only, and applies
-        # updates again after max_consecutive_errors.)
-        finite = jnp.isfinite(loss) & jnp.isfinite(norm)
-        params, opt_state, ema = jax.tree.map(
-            lambda new, old: jnp.where(finite, new, old),
-            (new_params, new_state, new_ema),
-            (params, opt_state, ema),
-        )
-        count = count + finite.astype(jnp.int32)
-        return params, opt_state, ema, count, jnp.stack([loss, finite.astype(jnp.float32)])
-
     def _jit_step(self):
-        rep, data = P(), P(None, "data")
-        grads_fn = jax.shard_map(
-            self._local_grads,
-            mesh=self.mesh,
-            check_vma=False,
-            in_specs=(rep, rep, data, rep),  # `data` splits every array of the batch
-            out_specs=(rep, rep),
+        step = make_train_step(
+            self._loss,
+            self.optimizer,
+            self.mesh,
+            clip_grad=self.cfg.optim.clip_grad,
+            seed=self.cfg.seed,
+            remat=self.cfg.remat,
+            grad_shardings=self.param_shardings,
         )
+        state_shardings = (self.param_shardings, self.opt_shardings, self.ema_shardings())
         return jax.jit(
-            functools.partial(self._step, grads_fn=grads_fn),
+            step,
             donate_argnums=(0, 1, 2, 3),
-            out_shardings=(
-                self.param_shardings,
-                self.opt_shardings,
-                self.ema_shardings(),
-                self.replicated,
-                self.replicated,
-            ),
+            out_shardings=(*state_shardings, self.replicated, self.replicated),
         )
 
     def ema_shardings(self) -> dict:
