@@ -278,6 +278,23 @@ class TorchCore:
         return measured
 
 
+def accumulate(
+    micro_batches: list[tuple],
+    forward_loss: Callable[..., torch.Tensor],
+    core: TorchCore,
+    scope: Callable[[bool], Any],
+) -> torch.Tensor:
+    """The backward of each micro-batch's share of the mean loss, inside `scope(last)` (the
+    backend's autocast, and DDP's no_sync before the last); returns this rank's mean loss."""
+    total = torch.zeros((), device=core.device)
+    for i, batch in enumerate(micro_batches):
+        with scope(i == len(micro_batches) - 1):
+            loss = forward_loss(*batch) / len(micro_batches)
+        core.backward(loss)
+        total += loss.detach()
+    return total
+
+
 @torch.no_grad()
 def metric_sums(
     module: nn.Module,

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
-from accel.backends.torch_core import TorchCore, local_norm
+from accel.backends.torch_core import TorchCore, accumulate, local_norm
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
 from accel.losses import eval_sums, soft_target_loss
@@ -88,13 +88,13 @@ class Replicas:
         self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
     ) -> torch.Tensor:
         """Accumulate the gradients of the micro-batches; returns this rank's mean loss."""
-        total = torch.zeros((), device=self.device)
-        for i, (images, targets, *extra) in enumerate(micro_batches):
-            with self.sync(i == len(micro_batches) - 1), core.autocast():
-                loss = forward_loss(images, targets, *extra) / len(micro_batches)
-            core.backward(loss)
-            total += loss.detach()
-        return total
+
+        @contextlib.contextmanager
+        def scope(last: bool):
+            with self.sync(last), core.autocast():
+                yield
+
+        return accumulate(micro_batches, forward_loss, core, scope)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return all_reduce(loss, mean=True)

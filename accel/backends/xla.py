@@ -46,7 +46,13 @@ from accel.backends.base import (
 )
 from accel.backends.host_reads import RefuseHostReads
 from accel.backends.quiet import quiet_imports
-from accel.backends.torch_core import TorchCore, local_norm, metric_sums, where_guard
+from accel.backends.torch_core import (
+    TorchCore,
+    accumulate,
+    local_norm,
+    metric_sums,
+    where_guard,
+)
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.losses import classifier_loss, eval_sums, summarise
@@ -296,19 +302,23 @@ class XlaBackend:
     ) -> torch.Tensor:
         """One graph: forward and backward of every micro-batch, the explicit gradient
         all-reduce, clipping, the guarded update and the EMA's; returns [mean loss, applied]."""
-        total = torch.zeros((), device=self.device)
-        for batch in micro_batches:
-            batch = tuple(t.to(self.device) for t in batch)
-            with self.autocast(), self.host_reads("xla", "xla"):
-                loss = self.loss_fn(self.forward, batch) / len(micro_batches)
-            self.core.backward(loss)
-            total += loss.detach()
+        micro_batches = [tuple(t.to(self.device) for t in batch) for batch in micro_batches]
+        total = accumulate(micro_batches, self.forward_loss, self.core, self.scope)
         self.reduce_gradients()
         loss = self.all_reduce(total, mean=True)
         clip = self.cfg.optim.clip_grad
         applied = self.core.update(lr, loss, clip, self.grad_norm, ema_decay)
         self.step_done()
         return torch.stack([loss, applied.float()])
+
+    def forward_loss(self, *batch: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(self.forward, batch)
+
+    @contextlib.contextmanager
+    def scope(self, last: bool):
+        """A micro-step's: autocast, and a user's loss refused where it reads the host."""
+        with self.autocast(), self.host_reads("xla", "xla"):
+            yield
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         return local_norm([p.grad for p in params if p.grad is not None])
