@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accel.backends import backend_module
+from accel.backends import backend_module, refusals
 from accel.backends.base import Backend, BackendUnavailable, LossFn, MetricFn, StepResult
 from accel.checkpoint import (
     FORMAT,
@@ -151,6 +151,9 @@ def prepare(
         parallel=ParallelConfig(nproc_per_node=devices),
         compiler=CompilerConfig(compile_cache=str(cache_dir(name))),
     )
+    problems = refusals(cfg, module.SUPPORTS)  # what this backend cannot run (e.g. float16)
+    if problems:
+        raise AccelError(problems[0])
     ctx = module.context(cfg)
     init_process_group(ctx)
     runner = module.build(cfg, ctx)

@@ -250,3 +250,10 @@ def test_the_apis_step_reads_nothing_back_to_the_host(backend):
             handles = [engine.step(*b) for b in data[2:]]
         assert reads.seen == []
     assert all(r.applied for r in engine.fetch(handles))
+
+
+def test_what_a_backend_does_not_support_is_refused_before_it_starts():
+    model = Net()
+    with pytest.raises(accel.AccelError, match="--amp_dtype float16 is not supported by the jax"):
+        accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="jax", amp="O1",
+                      amp_dtype="float16", quiet=True)  # fmt: skip
