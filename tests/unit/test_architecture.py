@@ -16,9 +16,13 @@ STANDALONE = ("accel.data", "accel.models")  # usable without the rest of accel
 # Framework packages and the one file (with its helpers) that may import each.
 FRAMEWORKS = {
     "torch_xla": ("accel/backends/xla.py",),
-    "jax": ("accel/backends/jax.py", "accel/backends/jax_attention.py"),
+    "jax": (
+        "accel/backends/jax.py",
+        "accel/backends/jax_attention.py",
+        "accel/backends/jax_step.py",
+    ),
     "torchax": ("accel/backends/jax.py",),
-    "optax": ("accel/backends/jax.py",),
+    "optax": ("accel/backends/jax.py", "accel/backends/jax_step.py"),
 }
 
 

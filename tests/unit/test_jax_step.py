@@ -9,7 +9,7 @@ import pytest
 import torch
 from jax.sharding import Mesh
 
-from accel.backends.jax import OptaxGroups, make_train_step
+from accel.backends.jax_step import OptaxGroups, make_train_step
 from accel.optim import OptimizerSpec
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from accel.backends.jax import OptaxGroups
+from accel.backends.jax_step import OptaxGroups
 from accel.optim import LearningRates, OptimizerSpec
 from tests.helpers import LR, Net, grouped
 
