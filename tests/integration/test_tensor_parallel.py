@@ -145,8 +145,9 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
         destroy_process_group()
 
 
-def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path):
-    mp.start_processes(_million_class_rank, args=(29571, tmp_path), nprocs=2, start_method="spawn")
+def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path, free_port):
+    args = (free_port(), tmp_path)
+    mp.start_processes(_million_class_rank, args=args, nprocs=2, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     classes = 1_000_000
     for r in ranks:

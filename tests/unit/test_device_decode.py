@@ -16,8 +16,7 @@ from accel.data.jpeg_decoders import decoding_error as device_decoding_error
 from accel.data.loaders import build_train_loader
 from accel.data.sampling import SampleKey
 from accel.resolve import resolve_decode_on
-from tests.helpers import micro_config
-from tests.unit.test_folder import dirty_mock_imagenet
+from tests.helpers import dirty_mock_imagenet, micro_config
 
 MIX = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 
