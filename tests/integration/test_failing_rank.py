@@ -6,9 +6,12 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from accel.data.prepare import prepare_mock_imagenet
 from tests.helpers import rank_process, run_cli, start_cli
+
+pytestmark = pytest.mark.slow  # ranks in processes
 
 
 def test_killing_one_rank_ends_the_job_naming_it(tmp_path):

@@ -17,6 +17,8 @@ import torch
 
 from tests.helpers import rank_process, read_summary, run_cli, start_cli
 
+pytestmark = pytest.mark.slow  # the command line in processes, killed
+
 JOB = ("--steps", "6", "--batch_size", "8", "--workers", "0", "--no-eval", "--log_every", "1")
 
 
