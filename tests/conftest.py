@@ -122,12 +122,21 @@ def _refuse(what: str) -> None:
         )
 
 
-def _starts_python(args) -> bool:
+def _starts_ours(args) -> bool:
+    """Whether a command runs the project's own code: the launcher (`-m accel...` or a console
+    script), `python -c` code that imports accel, a bench script, pytest, a notebook's kernel.
+    Libraries' own helper processes (torch.compile checks each kernel it builds in `python -c`)
+    are not counted."""
     argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
-    if not argv or any("_inductor" in os.fsdecode(a) for a in argv):
-        return False  # torch.compile's own compile workers
-    program = Path(os.fsdecode(argv[0]))
-    return program == Path(sys.executable) or program.parent == Path(sys.executable).parent
+    words = [os.fsdecode(a) for a in argv]
+    if not words or Path(words[0]).parent.resolve() != Path(sys.executable).parent.resolve():
+        return False
+    program, rest = Path(words[0]).name, words[1:]
+    return (
+        program in ("launch_single_task", "jupyter") or program.startswith("accel")
+        or any(w.startswith("accel") or "import accel" in w or "from accel" in w for w in rest)
+        or any(w.startswith("bench/") or w in ("pytest", "ipykernel_launcher") for w in rest)
+    )  # fmt: skip
 
 
 _popen_init = subprocess.Popen.__init__
@@ -135,8 +144,8 @@ _process_start = multiprocessing.process.BaseProcess.start
 
 
 def _guarded_popen_init(self, args, *rest, **kw):
-    if _Guard.item is not None and _starts_python(args):
-        _refuse(f"a Python process ({' '.join(map(str, list(args)[:4]))} ...)")
+    if _Guard.item is not None and _starts_ours(args):
+        _refuse(f"a process ({' '.join(map(str, list(args)[:4]))[:200]} ...)")
     return _popen_init(self, args, *rest, **kw)
 
 

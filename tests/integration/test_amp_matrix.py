@@ -17,6 +17,8 @@ from accel.distributed import DistContext
 from accel.train import Trainer
 from tests.helpers import micro_config
 
+pytestmark = pytest.mark.slow  # 41 cases, each compiled; every backend's one run is test_finetune's
+
 LEVELS = ("O0", "O1", "O2", "O3")
 LOW = {"O0": "f32", "O1": "bf16", "O2": "bf16", "O3": "bf16"}
 MODELS = {

@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import ROOT, cli_command, read_summary, run_cli, train_cli
+from tests.helpers import ROOT, cli_command, read_summary, run_cli, train, train_cli
 from tests.shared_runs import SHARD_JOB, TP_JOB
 
 pytestmark = pytest.mark.slow
@@ -68,8 +68,8 @@ def test_xla_on_a_mesh_resumes_exactly_and_its_checkpoint_loads_into_eager(xla_r
     mesh = ("--backend", "xla", "--batch_size", "4", "--nproc_per_node", "2", "--shard", "full")
     resumed = _summary(tmp_path / "r", *mesh, "--resume", str(_checkpoint(output, "xla", 2)))
     np.testing.assert_allclose(resumed["losses"], sharded["losses"], rtol=1e-6)
-    eager = _summary(
-        tmp_path / "e", "--batch_size", "8", "--resume", str(_checkpoint(output, "xla", 6))
+    eager, _ = train(  # in this process: one rank of eager
+        tmp_path / "e", *JOB, "--batch_size", "8", "--resume", str(_checkpoint(output, "xla", 6))
     )
     np.testing.assert_allclose(eager["eval_loss"], sharded["eval_loss"], rtol=1e-5)
 

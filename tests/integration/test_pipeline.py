@@ -17,6 +17,7 @@ from tests.helpers import (
     nan_rank,
     read_summary,
     same_state,
+    train,
     train_cli,
 )
 
@@ -31,7 +32,9 @@ PIPELINE = ("--nproc_per_node", "2", "--pp", "2")
 
 
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
-    return train_cli(output, *JOB, *extra)
+    """The job; in this process where it is one process, through the command line otherwise."""
+    several = "--nproc_per_node" in extra
+    return (train_cli if several else train)(output, *JOB, *extra)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from tests.helpers import (
     ROOT,
     checkpoint_tensors,
     cli_command,
+    launch,
     nan_config,
     nan_rank,
     read_summary,
@@ -76,10 +77,11 @@ def test_a_sharded_checkpoint_loads_into_one_unsharded_process(eager_runs, tmp_p
 def test_resuming_a_sharded_checkpoint_into_another_job_names_the_keys(eager_runs, tmp_path):
     output, _ = eager_runs["full"]
     last = output / "vit_micro/eager/r/checkpoints/step_00000006.dcp"
-    result = run_cli(*JOB, "--output", str(tmp_path), "--batch_size", "4", "--resume", str(last))
-    assert result.returncode == 2
-    assert "cannot resume" in result.stderr
-    assert "global_batch (checkpoint 32, now 8)" in result.stderr
+    job = (*JOB, "--output", str(tmp_path), "--batch_size", "4", "--resume", str(last))
+    code, _, stderr = launch(*job)
+    assert code == 2
+    assert "cannot resume" in stderr
+    assert "global_batch (checkpoint 32, now 8)" in stderr
 
 
 def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tmp_path):

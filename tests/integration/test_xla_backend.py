@@ -8,7 +8,7 @@ from accel.backends.xla import XlaBackend, check_versions, compile_count
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
 from accel.train import Trainer
-from tests.helpers import micro_config, run_cli_without, train_cli
+from tests.helpers import micro_config, run_cli_without, train
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 # Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
@@ -121,7 +121,7 @@ def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
 def test_evaluating_between_epochs_is_not_a_recompile(tmp_path):
     """--eval_every compiles evaluation graphs mid-run; --max_recompiles 0 counts only the
     training step's."""
-    summary, _ = train_cli(
+    summary, _ = train(
         tmp_path,
         *("--backend", "xla", "--epochs", "2", "--synthetic_length", "64", "--batch_size", "16"),
         *("--workers", "0", "--eval_every", "1", "--max_recompiles", "0"),
