@@ -83,7 +83,7 @@ def test_a_crafted_checkpoint_folder_never_runs_its_code(saved_run, tmp_path):
 
 
 def test_a_second_run_into_a_folder_in_use_stops_and_the_first_is_untouched(tmp_path):
-    long = (*JOB, "--steps", "800", "--log_every", "50", "--save_every", "100", "--run_name", "r")
+    long = (*JOB, "--steps", "400", "--log_every", "50", "--save_every", "100", "--run_name", "r")
     lone = run_cli(*long, "--output", str(tmp_path / "lone"))
     assert lone.returncode == 0, lone.stderr[-2000:]
     first = start_cli(*long, "--output", str(tmp_path / "shared"))
@@ -92,7 +92,7 @@ def test_a_second_run_into_a_folder_in_use_stops_and_the_first_is_untouched(tmp_
     while not (lock.exists() and lock.read_text().strip()):
         assert first.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    second = run_cli(*long, "--output", str(tmp_path / "shared"))
+    second = launch(*long, "--output", str(tmp_path / "shared"))  # refused before any work
     assert first.poll() is None, "the first run ended before the second started"
     _one_line(second, "in use by pid", str(first.pid))
     _, stderr = first.communicate(timeout=300)

@@ -41,11 +41,17 @@ def _before(step: int, cfg, run_dir) -> dict:
 
 
 XLA = pytest.mark.xla
+SLOW = pytest.mark.slow  # a compiled step; the fast tier checks eager's
 
 
 @pytest.mark.parametrize(
     "backend",
-    ["eager", pytest.param("xla", marks=XLA), pytest.param("xla+kernel_opt", marks=XLA), "jax"],
+    [
+        "eager",
+        pytest.param("xla", marks=[XLA, SLOW]),
+        pytest.param("xla+kernel_opt", marks=[XLA, SLOW]),
+        pytest.param("jax", marks=SLOW),
+    ],
 )
 def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, one_white_image, backend):
     # xla+kernel_opt: syncfree AdamW, which skips inside its own update given found_inf
@@ -69,7 +75,7 @@ def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, one_white_i
     assert not same_state(_state(_checkpoint(run_dir, applied)), _before(applied, cfg, run_dir))
 
 
-@pytest.mark.parametrize("backend", ["eager", "jax"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("jax", marks=SLOW)])
 def test_stop_saves_a_clean_checkpoint_and_exits_non_zero_naming_the_step(
     tmp_path, one_white_image, backend, capsys
 ):
