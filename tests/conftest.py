@@ -161,7 +161,8 @@ multiprocessing.process.BaseProcess.start = _guarded_process_start
 
 
 def _guarded(item):
-    _Guard.item = None if item.get_closest_marker("slow") else item
+    tier = item.get_closest_marker("slow") or item.get_closest_marker("gpu")  # not test-fast's
+    _Guard.item = None if tier else item
     try:
         return (yield)
     finally:

@@ -163,16 +163,17 @@ def flat_tensors(state: dict, prefix: str = "") -> dict:
 def checkpoint_tensors(path: Path) -> dict:
     """A checkpoint's model, optimizer and EMA tensors by flattened name; a folder's gathered whole
     with torch.distributed.checkpoint's own converter."""
-    import tempfile
-
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = Path(path)
     if path.is_dir():
-        with tempfile.TemporaryDirectory() as scratch:
-            dcp_to_torch_save(path, Path(scratch) / "whole.pt")
-            state = torch.load(Path(scratch) / "whole.pt", weights_only=True)
+        whole = path.with_name(f".{path.name}.whole.pt")  # beside it, under the test's tmp_path
+        try:
+            dcp_to_torch_save(path, whole)
+            state = torch.load(whole, weights_only=True)
+        finally:
+            whole.unlink(missing_ok=True)
     else:
         state = torch.load(path, weights_only=True)["state"]
     sections = ("model", "optim", "ema")

@@ -49,6 +49,7 @@ def test_device_path_gives_the_cpu_paths_crops_targets_and_skips(dirty_imagenet)
     assert skipped == {"truncated.jpg", "empty.jpg", "notes.png"}  # the truncated one: on device
 
 
+@pytest.mark.slow  # loader workers: forkserver processes
 def test_device_path_is_the_same_with_workers_and_after_a_resume(dirty_imagenet):
     reference = _epoch(dirty_imagenet, "cpu", mixup=MIX)
     with_workers = _epoch(dirty_imagenet, "cpu", workers=2, mixup=MIX)
@@ -124,6 +125,7 @@ AUGMENT = {
 }
 
 
+@pytest.mark.slow  # loader workers: forkserver processes
 @pytest.mark.parametrize("decode_on", ["workers", "cpu"], ids=["cpu-decode", "device-decode"])
 def test_augmented_batches_are_the_same_with_workers_and_after_a_resume(dirty_imagenet, decode_on):
     """RandAugment, erasing, crops and flips drawn per sample from its key: the same batches
