@@ -150,7 +150,8 @@ def _guarded_popen_init(self, args, *rest, **kw):
 
 
 def _guarded_process_start(self):
-    method = getattr(self, "_start_method", None) or multiprocessing.get_start_method()
+    default = multiprocessing.get_start_method(allow_none=True) or "fork"  # setting none
+    method = getattr(self, "_start_method", None) or default
     if _Guard.item is not None and method != "fork":
         _refuse(f"a {method} process ({self.name})")
     return _process_start(self)
