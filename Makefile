@@ -1,4 +1,5 @@
 # Two commands: `make demo` and `make test`. Each sets up .venv at the repo root when missing.
+# While editing, `make test-fast` (docs/development.md).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -9,7 +10,7 @@ LATEST := .venv-latest
 # Python 3.12 for test-latest: on PATH, or pyenv's where its shim does not select it.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 
-.PHONY: setup demo test test-latest lint bench plot notebooks convergence gpu-check clean
+.PHONY: setup demo test test-fast test-latest lint bench plot notebooks convergence gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +28,12 @@ demo: setup
 
 test: setup
 	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 $(BIN)/pytest -q --durations=25 tests
+
+# Every edit: the unit tests and in-process runs of each backend; no test that starts a process
+# (tests/conftest.py marks those slow). Under 3 minutes on a 2-core machine.
+test-fast: setup
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 $(BIN)/pytest -q --durations=10 \
+		-m "not slow and not gpu" tests
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last
 # release pairs only with torch 2.9): the suite with the xla tests skipped. Not part of CI.

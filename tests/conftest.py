@@ -1,5 +1,8 @@
+import multiprocessing.process
 import os
+import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -29,6 +32,7 @@ if torch_xla is not None:
 from PIL import Image  # noqa: E402
 
 from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
+from tests import helpers  # noqa: E402
 
 pytest_plugins = ["tests.shared_runs"]
 
@@ -38,8 +42,161 @@ NO_XLA = "torch_xla is not installed: its last release (2.9) pairs only with tor
 NO_GPU = "no CUDA device is visible to torch"
 
 
+# --- the tiers: `make test-fast` runs -m "not slow and not gpu" ------------------------------
+# A test is slow when it starts a process: a Python interpreter (the command line, `python -c`,
+# a notebook's kernel) or ranks. It is marked at collection when its code, a function of the
+# suite it calls, or a fixture it uses names one of these; a non-slow test that starts one anyway
+# (through a library, say) fails, naming itself, so a new test lands in the right tier.
+STARTERS = (
+    helpers.run_cli,
+    helpers.train_cli,
+    helpers.start_cli,
+    helpers.run_python,
+    helpers.run_cli_without,
+    helpers.nan_rank,
+)
+STARTER_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "nbclient")
+
+
+def _names(code: types.CodeType):
+    yield from code.co_names
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _names(const)
+
+
+def _starter(value) -> bool:
+    if any(value is s for s in STARTERS):
+        return True
+    module = value.__name__ if isinstance(value, types.ModuleType) else ""
+    module = module or getattr(value, "__module__", None) or ""
+    return module in STARTER_MODULES or module.startswith(tuple(f"{m}." for m in STARTER_MODULES))
+
+
+def _ours(func) -> bool:
+    """A function of the suite (test modules are imported by their file's name, not tests.*)."""
+    code = getattr(func, "__code__", None)
+    return code is not None and code.co_filename.startswith(str(ROOT / "tests"))
+
+
+def starts_processes(func, seen: set | None = None) -> bool:
+    """Whether `func`, or a function of the suite it calls by name, starts a process."""
+    seen = set() if seen is None else seen
+    func = getattr(func, "__func__", func)
+    if not isinstance(func, types.FunctionType) or func in seen:
+        return False
+    seen.add(func)
+    for name in _names(func.__code__):
+        value = func.__globals__.get(name)
+        if value is None:
+            continue
+        if _starter(value):
+            return True
+        if _ours(value) and starts_processes(value, seen):
+            return True
+    return False
+
+
+def _item_starts_processes(item) -> bool:
+    if starts_processes(getattr(item, "function", None)):
+        return True
+    info = getattr(item, "_fixtureinfo", None)
+    for name in item.fixturenames if info else ():
+        for fixturedef in info.name2fixturedefs.get(name, ()):
+            if _ours(fixturedef.func) and starts_processes(fixturedef.func):
+                return True
+    return False
+
+
+class _Guard:
+    item = None  # the non-slow test being set up, run or torn down
+
+
+def _refuse(what: str) -> None:
+    if _Guard.item is not None:
+        pytest.fail(
+            f"{_Guard.item.nodeid} starts {what} but is not marked slow: mark it "
+            "@pytest.mark.slow (make test-fast leaves slow tests out), or run it in this "
+            "process (tests/helpers.py: launch, train)",
+            pytrace=False,
+        )
+
+
+def _starts_ours(args) -> bool:
+    """Whether a command runs the project's own code: the launcher (`-m accel...` or a console
+    script), `python -c` code that imports accel, a bench script, pytest, a notebook's kernel.
+    Libraries' own helper processes (torch.compile checks each kernel it builds in `python -c`)
+    are not counted."""
+    argv = [args] if isinstance(args, str | bytes | os.PathLike) else list(args)
+    words = [os.fsdecode(a) for a in argv]
+    if not words or Path(words[0]).parent.resolve() != Path(sys.executable).parent.resolve():
+        return False
+    program, rest = Path(words[0]).name, words[1:]
+    return (
+        program in ("launch_single_task", "jupyter") or program.startswith("accel")
+        or any(w.startswith("accel") or "import accel" in w or "from accel" in w for w in rest)
+        or any(w.startswith("bench/") or w in ("pytest", "ipykernel_launcher") for w in rest)
+    )  # fmt: skip
+
+
+_popen_init = subprocess.Popen.__init__
+_process_start = multiprocessing.process.BaseProcess.start
+
+
+def _guarded_popen_init(self, args, *rest, **kw):
+    if _Guard.item is not None and _starts_ours(args):
+        _refuse(f"a process ({' '.join(map(str, list(args)[:4]))[:200]} ...)")
+    return _popen_init(self, args, *rest, **kw)
+
+
+def _guarded_process_start(self):
+    default = multiprocessing.get_start_method(allow_none=True) or "fork"  # setting none
+    method = getattr(self, "_start_method", None) or default
+    if _Guard.item is not None and method != "fork":
+        _refuse(f"a {method} process ({self.name})")
+    return _process_start(self)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init
+multiprocessing.process.BaseProcess.start = _guarded_process_start
+
+
+def _guarded(item):
+    tier = item.get_closest_marker("slow") or item.get_closest_marker("gpu")  # not test-fast's
+    _Guard.item = None if tier else item
+    try:
+        return (yield)
+    finally:
+        _Guard.item = None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item):
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    return (yield from _guarded(item))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item):
+    return (yield from _guarded(item))
+
+
+@pytest.fixture(scope="session")
+def free_port():
+    """free_port() is a TCP port on 127.0.0.1 nothing listens on, a new one each call: two runs
+    of the suite on one machine never meet on a port."""
+    return helpers.free_port
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Tests marked `xla` need torch_xla. `make test` (CI) installs it and sets
+    """Tests that start processes are marked slow (above), before -m selects.
+
+    Tests marked `xla` need torch_xla. `make test` (CI) installs it and sets
     ACCEL_REQUIRE_XLA, so there a missing torch_xla fails the run instead of skipping them; on
     a newer torch (`make test-latest`) they are skipped, each with the reason. Tests marked
     `gpu` are skipped, with the reason, where no CUDA device is visible."""
@@ -49,6 +206,8 @@ def pytest_collection_modifyitems(config, items):
     if torch_xla is None and os.environ.get("ACCEL_REQUIRE_XLA"):
         raise pytest.UsageError(f"ACCEL_REQUIRE_XLA is set but {NO_XLA}")
     for item in items:
+        if not item.get_closest_marker("slow") and _item_starts_processes(item):
+            item.add_marker(pytest.mark.slow)
         if "xla" in item.keywords and torch_xla is None:
             item.add_marker(pytest.mark.skip(reason=NO_XLA))
         if "gpu" in item.keywords and no_gpu:

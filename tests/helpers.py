@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +48,44 @@ def micro_config(
     for key, value in overrides.items():
         cfg = replace_path(cfg, PATHS.get(key, key), value)
     return cfg
+
+
+def free_port(taken: set[int] = set()) -> int:  # noqa: B006 (the ports handed out so far)
+    """A TCP port on 127.0.0.1 that nothing listens on now, never the same one twice in a
+    session; tests take theirs through conftest's `free_port` fixture."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in taken:
+            taken.add(port)
+            return port
+
+
+def launch(*args: str, env: dict | None = None) -> tuple[int, str, str]:
+    """launch_single_task's main(argv) in this process, where the command line itself is not
+    what a test looks at: (exit code, stdout, stderr). One process only: a job of several ranks
+    goes through run_cli, and its test is marked slow."""
+    from accel.launch_single_task import main
+
+    saved = dict(os.environ)
+    os.environ.update(env or {})
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+    return code, out.getvalue(), err.getvalue()
+
+
+def train(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
+    """train_cli's run in this process: a run named 'r' that must succeed, its summary.json and
+    stdout."""
+    code, stdout, stderr = launch(*args, "--output", str(output), "--run_name", "r", env=env)
+    assert code == 0, stderr[-3000:]
+    return read_summary(output), stdout
 
 
 def cli_command(*args: str) -> list[str]:
@@ -126,16 +167,17 @@ def flat_tensors(state: dict, prefix: str = "") -> dict:
 def checkpoint_tensors(path: Path) -> dict:
     """A checkpoint's model, optimizer and EMA tensors by flattened name; a folder's gathered whole
     with torch.distributed.checkpoint's own converter."""
-    import tempfile
-
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     path = Path(path)
     if path.is_dir():
-        with tempfile.TemporaryDirectory() as scratch:
-            dcp_to_torch_save(path, Path(scratch) / "whole.pt")
-            state = torch.load(Path(scratch) / "whole.pt", weights_only=True)
+        whole = path.with_name(f".{path.name}.whole.pt")  # beside it, under the test's tmp_path
+        try:
+            dcp_to_torch_save(path, whole)
+            state = torch.load(whole, weights_only=True)
+        finally:
+            whole.unlink(missing_ok=True)
     else:
         state = torch.load(path, weights_only=True)["state"]
     sections = ("model", "optim", "ema")
@@ -231,3 +273,98 @@ class HostReads(TorchFunctionMode):
         if getattr(func, "__name__", "") in HOST_READS:
             self.seen.append(func.__name__)
         return func(*args, **(kwargs or {}))
+
+
+def dirty_mock_imagenet(folder: Path, val_per_class: int) -> Path:
+    """3 classes of 6 real JPEGs for training, plus every awkward kind of file in the first."""
+    from accel.data.prepare import prepare_mock_imagenet
+
+    root = prepare_mock_imagenet(
+        folder / "imagenet",
+        classes=3,
+        per_class=6,
+        val_per_class=val_per_class,
+        size=40,
+        progress=False,
+    )
+    add_bad_files(root)
+    return root
+
+
+def add_bad_files(root: Path) -> dict[str, Path]:
+    """Real files of every awkward kind in the first class folder of train/."""
+    import numpy as np
+    from PIL import Image
+
+    folder = sorted((root / "train").iterdir())[0]
+    good = next(folder.glob("*.JPEG")).read_bytes()
+    rgb = np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)
+    files = {
+        "truncated": folder / "truncated.jpg",
+        "empty": folder / "empty.jpg",
+        "not_image": folder / "notes.png",
+        "gray": folder / "gray.jpg",
+        "rgba": folder / "rgba.png",
+        "cmyk": folder / "cmyk.jpg",
+    }
+    files["truncated"].write_bytes(good[: len(good) // 2])
+    files["empty"].write_bytes(b"")
+    files["not_image"].write_text("this is not an image\n")
+    Image.fromarray(rgb[..., 0], mode="L").save(files["gray"])
+    Image.fromarray(np.dstack([rgb, rgb[..., :1]]), mode="RGBA").save(files["rgba"])
+    Image.fromarray(rgb, mode="RGB").convert("CMYK").save(files["cmyk"])
+    return files
+
+
+# --- the NaN-on-white model's runs (tests/nan_model.py) --------------------------------------
+NAN_EPOCHS = 2
+
+
+def nan_config(tmp_path, backend: str, data, **kw):
+    """Two epochs of the NaN-on-white model on `data`, a checkpoint after every step."""
+    from tests import nan_model
+
+    return micro_config(
+        tmp_path,
+        backend=backend,
+        model=nan_model.NAME,
+        source=str(data),
+        num_classes=2,
+        batch_size=4,
+        steps=None,
+        epochs=NAN_EPOCHS,
+        save_every=1,
+        keep_checkpoints=0,
+        log_every=1,
+        **kw,
+    )
+
+
+def same_state(fa: dict, fb: dict) -> bool:
+    """Equal weights and optimizer state; state not created yet counts as AdamW's zeros."""
+    import torch
+
+    if {k for k in fa if k.startswith("model.")} != {k for k in fb if k.startswith("model.")}:
+        return False
+    for k in fa.keys() | fb.keys():
+        x = fa.get(k, torch.zeros_like(fb.get(k, torch.zeros(()))))
+        y = fb.get(k, torch.zeros_like(x))
+        if not torch.equal(x.float(), y.float()):
+            return False
+    return True
+
+
+def nan_rank(rank: int, cfg, port: int) -> None:
+    """One of two spawned ranks training `cfg` (the NaN-on-white model, sharded or piped)."""
+    from accel.distributed import DistContext, destroy_process_group, init_process_group
+    from accel.train import Trainer
+    from tests import nan_model  # noqa: F401 (registers the model in this spawned process)
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
+    os.environ.update(WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    ctx = DistContext(rank, rank, 2)
+    init_process_group(ctx)
+    try:
+        Trainer(cfg, ctx).train()
+    finally:
+        destroy_process_group()

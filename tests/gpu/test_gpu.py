@@ -15,8 +15,7 @@ from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
 from accel.resolve import resolve_backend, resolve_decode_on
 from accel.train import Trainer
-from tests.helpers import micro_config, read_summary, run_cli, train_cli
-from tests.unit.test_folder import dirty_mock_imagenet
+from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli, train_cli
 
 pytestmark = pytest.mark.gpu
 MIX = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)

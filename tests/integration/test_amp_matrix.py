@@ -8,7 +8,6 @@ import functools
 import json
 import math
 import re
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +16,8 @@ import torch
 from accel.distributed import DistContext
 from accel.train import Trainer
 from tests.helpers import micro_config
+
+pytestmark = pytest.mark.slow  # 41 cases, each compiled; every backend's one run is test_finetune's
 
 LEVELS = ("O0", "O1", "O2", "O3")
 LOW = {"O0": "f32", "O1": "bf16", "O2": "bf16", "O3": "bf16"}
@@ -95,10 +96,20 @@ def _dot_operand_dtypes(text: str) -> set[str]:
     return {m for types in ops for m in re.findall(r"x(bf16|f16|f32)>", types)}
 
 
-@functools.cache
-def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bool = False) -> dict:
-    """Five steps of the case; each one compiles once per session, whichever test asks first."""
-    out = Path(tempfile.mkdtemp(prefix=f"amp-{backend}-"))
+@pytest.fixture(scope="session")
+def train_case(tmp_path_factory):
+    """train_case(backend, model, level, kernel_opt, remat=False): five steps of the case; each
+    one trains once per session, whichever test asks first."""
+
+    @functools.cache
+    def train(backend: str, model: str, level: str, kernel_opt: bool, remat: bool = False):
+        return _train_case(tmp_path_factory.mktemp(f"amp-{backend}"), backend, model, level,
+                           kernel_opt, remat)  # fmt: skip
+
+    return train
+
+
+def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: bool, remat: bool):
     cfg = micro_config(
         out,
         backend=backend,
@@ -153,7 +164,7 @@ def train_case(backend: str, model: str, level: str, kernel_opt: bool, remat: bo
 
 
 @pytest.mark.parametrize(("backend", "model", "level", "kernel_opt"), CASES)
-def test_each_level_trains_in_the_dtypes_it_promises(backend, model, level, kernel_opt):
+def test_each_level_trains_in_the_dtypes_it_promises(train_case, backend, model, level, kernel_opt):
     case = train_case(backend, model, level, kernel_opt)
     assert len(case["losses"]) == 5 and all(math.isfinite(x) for x in case["losses"])
     assert case["compiles_after_warmup"] == 0
@@ -169,21 +180,21 @@ def test_each_level_trains_in_the_dtypes_it_promises(backend, model, level, kern
         assert case["attention_calls"]
 
 
-def test_jax_o1_tracks_eager_o1():
+def test_jax_o1_tracks_eager_o1(train_case):
     jax_losses = train_case("jax", "vit_micro", "O1", False)["losses"]
     eager_losses = train_case("eager", "vit_micro", "O1", False)["losses"]
     assert jax_losses == pytest.approx(eager_losses, rel=2e-2)
 
 
 @pytest.mark.parametrize("backend", ["compile", pytest.param("xla", marks=pytest.mark.xla), "jax"])
-def test_o0_first_five_losses_equal_eager(backend):
+def test_o0_first_five_losses_equal_eager(train_case, backend):
     for model in MODELS[backend]:
         got = train_case(backend, model, "O0", False)["losses"]
         assert got == pytest.approx(train_case("eager", model, "O0", False)["losses"], rel=1e-3)
 
 
 @pytest.mark.parametrize("backend", ["eager", "jax"])
-def test_remat_recomputes_and_trains_alike(backend):
+def test_remat_recomputes_and_trains_alike(train_case, backend):
     plain = train_case(backend, "vit_micro", "O0", False)
     remat = train_case(backend, "vit_micro", "O0", False, remat=True)
     assert remat["recomputes"] and not plain["recomputes"]

@@ -38,7 +38,9 @@ from tests.helpers import (
 )
 
 BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile", "jax"]
-PARITY = {"rel": 1e-4, "abs": 1e-5}  # fp32 across compilers: the backends' parity tests' bound
+PARITY = {"rel": 1e-4, "abs": 1e-5}
+# Training runs on every backend: the full suite. The refusals and the schedule stay in the fast tier.
+SLOW = pytest.mark.slow  # fp32 across compilers: the backends' parity tests' bound
 
 
 def train(backend: str, kind: str, steps: int = 5, **options) -> tuple[list[float], dict]:
@@ -64,6 +66,7 @@ def reference(kind: str) -> tuple[list[float], dict]:
     return _reference[kind]
 
 
+@SLOW
 @pytest.mark.parametrize("kind", ["adamw", "sgd"])
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_users_own_module_trains_alike_on_every_backend(backend, kind):
@@ -82,6 +85,7 @@ def test_an_lr_scheduler_sets_each_groups_rate():
     assert engine.rates(2) == pytest.approx([2.5e-3, 2.5e-3, 5e-3])
 
 
+@SLOW
 @pytest.mark.parametrize("backend", ["eager", "jax"])
 def test_accumulation_and_the_ema_and_evaluation(backend):
     """accum=2 gives the whole batch's step; the EMA's weights evaluate apart."""
@@ -102,6 +106,7 @@ def test_accumulation_and_the_ema_and_evaluation(backend):
     assert ema["count"] == 80
 
 
+@SLOW
 def test_the_api_gives_the_command_line_losses(tmp_path):
     """The Trainer's own job rebuilt from the same parts through accel.prepare."""
     cfg = micro_config(tmp_path, steps=4)
@@ -122,6 +127,7 @@ def test_the_api_gives_the_command_line_losses(tmp_path):
     assert [r.loss for r in engine.fetch(handles)] == pytest.approx(cli, rel=1e-6)
 
 
+@SLOW
 @pytest.mark.parametrize(("saver", "loader"), [("jax", "eager"), ("eager", "xla")])
 def test_a_checkpoint_saved_on_one_backend_loads_on_another(tmp_path, saver, loader):
     if "xla" in (saver, loader) and not HAS_XLA:
@@ -142,6 +148,7 @@ def test_a_checkpoint_saved_on_one_backend_loads_on_another(tmp_path, saver, loa
     assert [r.loss for r in after[1]] == pytest.approx([r.loss for r in after[0]], **PARITY)
 
 
+@SLOW
 def test_the_command_line_and_the_api_load_each_others_checkpoints(tmp_path):
     cfg = micro_config(tmp_path, steps=2)
     Trainer(cfg, DistContext()).train()
@@ -231,6 +238,7 @@ def test_an_optimizer_over_other_parameters_is_refused():
         accel.prepare(Net(), optimizer, loss_fn, quiet=True)
 
 
+@SLOW
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_the_apis_step_reads_nothing_back_to_the_host(backend):
     """After the warm-up, steps queue their work and return: no value crosses to the host until

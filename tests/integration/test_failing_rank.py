@@ -6,9 +6,12 @@ import signal
 import time
 
 import psutil
+import pytest
 
 from accel.data.prepare import prepare_mock_imagenet
 from tests.helpers import rank_process, run_cli, start_cli
+
+pytestmark = pytest.mark.slow  # ranks in processes
 
 
 def test_killing_one_rank_ends_the_job_naming_it(tmp_path):
@@ -34,9 +37,7 @@ def test_killing_one_rank_ends_the_job_naming_it(tmp_path):
         time.sleep(0.2)
     time.sleep(1.0)  # well inside training
     rank_process(launcher, "1").send_signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    _, stderr = proc.communicate(timeout=90)
-    assert time.monotonic() - killed_at < 60
+    _, stderr = proc.communicate(timeout=60)  # it ends, without a hang
     assert proc.returncode != 0
     assert "training failed on rank 1" in stderr
 
@@ -50,7 +51,6 @@ def test_a_rank_raising_ends_the_job_naming_it(tmp_path):
     bad = next((root / "train").iterdir()) / "truncated.jpg"
     good = next(bad.parent.glob("*.JPEG")).read_bytes()
     bad.write_bytes(good[: len(good) // 2])
-    started = time.monotonic()
     result = run_cli(
         "--nproc_per_node",
         "2",
@@ -66,9 +66,8 @@ def test_a_rank_raising_ends_the_job_naming_it(tmp_path):
         "--no-eval",
         "--output",
         str(tmp_path / "runs"),
-        timeout=180,
+        timeout=120,  # it ends, without a hang
     )
-    assert time.monotonic() - started < 60
     assert result.returncode == 2  # the rank's own exit code: a user error
     raised = re.search(r"error \(rank (\d)\): unreadable image (\S+):", result.stderr)
     assert raised and raised.group(2) == str(bad)

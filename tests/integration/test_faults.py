@@ -15,7 +15,7 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import rank_process, read_summary, run_cli, start_cli
+from tests.helpers import launch, rank_process, read_summary, run_cli, start_cli, train
 
 JOB = ("--steps", "6", "--batch_size", "8", "--workers", "0", "--no-eval", "--log_every", "1")
 
@@ -30,10 +30,15 @@ class Payload:
         return (Path.touch, (self.marker,))
 
 
-def _one_line(result: subprocess.CompletedProcess, *needles: str) -> str:
-    assert result.returncode == 2, result.stderr[-2000:]
-    lines = [line for line in result.stderr.splitlines() if "error" in line]
-    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr[-2000:]
+def _one_line(result: subprocess.CompletedProcess | tuple, *needles: str) -> str:
+    """The one error line of a run that stopped with exit 2 (run_cli's result, or launch's)."""
+    if isinstance(result, tuple):
+        code, _, stderr = result
+    else:
+        code, stderr = result.returncode, result.stderr
+    assert code == 2, stderr[-2000:]
+    lines = [line for line in stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
     assert all(n in lines[0] for n in needles), lines[0]
     return lines[0]
 
@@ -42,10 +47,7 @@ def _one_line(result: subprocess.CompletedProcess, *needles: str) -> str:
 def saved_run(tmp_path_factory) -> Path:
     """A finished run whose checkpoint folder the crafted files are planted in."""
     out = tmp_path_factory.mktemp("saved")
-    result = run_cli(
-        *JOB, "--steps", "2", "--save_every", "1", "--output", str(out), "--run_name", "r"
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
+    train(out, *JOB, "--steps", "2", "--save_every", "1")
     return out
 
 
@@ -53,12 +55,12 @@ def test_a_crafted_checkpoint_never_runs_its_code(saved_run, tmp_path):
     marker = tmp_path / "code-ran"
     crafted = tmp_path / "step_00000009.pt"
     torch.save({"format": "accel-checkpoint-2", "meta": Payload(marker)}, crafted)
-    result = run_cli(*JOB, "--output", str(tmp_path / "a"), "--resume", str(crafted))
+    result = launch(*JOB, "--output", str(tmp_path / "a"), "--resume", str(crafted))
     _one_line(result, str(crafted), "Python objects")
     # Planted where --resume auto looks: the newest checkpoint of the run.
     checkpoints = saved_run / "vit_micro" / "eager" / "r" / "checkpoints"
     shutil.copy(crafted, checkpoints / crafted.name)
-    result = run_cli(*JOB, "--output", str(saved_run), "--run_name", "r", "--resume", "auto")
+    result = launch(*JOB, "--output", str(saved_run), "--run_name", "r", "--resume", "auto")
     _one_line(result, "step_00000009.pt", "Python objects")
     assert not marker.exists()
 
@@ -68,20 +70,20 @@ def test_a_crafted_checkpoint_folder_never_runs_its_code(saved_run, tmp_path):
     folder = tmp_path / "step_00000001.dcp"
     folder.mkdir()
     torch.save(Payload(marker), folder / "meta.pt")
-    result = run_cli(*JOB, "--output", str(tmp_path / "a"), "--resume", str(folder))
+    result = launch(*JOB, "--output", str(tmp_path / "a"), "--resume", str(folder))
     _one_line(result, "meta.pt", "Python objects")
     # Its own meta.pt, but an index (DCP's pickled .metadata) that runs code.
     original = saved_run / "vit_micro" / "eager" / "r" / "checkpoints" / "step_00000002.pt"
     saved = torch.load(original, weights_only=True)
     torch.save({"format": saved["format"], "meta": saved["meta"]}, folder / "meta.pt")
     (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    result = run_cli(*JOB, "--output", str(tmp_path / "b"), "--resume", str(folder))
+    result = launch(*JOB, "--output", str(tmp_path / "b"), "--resume", str(folder))
     _one_line(result, "refused")
     assert not marker.exists()
 
 
 def test_a_second_run_into_a_folder_in_use_stops_and_the_first_is_untouched(tmp_path):
-    long = (*JOB, "--steps", "800", "--log_every", "50", "--save_every", "100", "--run_name", "r")
+    long = (*JOB, "--steps", "400", "--log_every", "50", "--save_every", "100", "--run_name", "r")
     lone = run_cli(*long, "--output", str(tmp_path / "lone"))
     assert lone.returncode == 0, lone.stderr[-2000:]
     first = start_cli(*long, "--output", str(tmp_path / "shared"))
@@ -90,7 +92,7 @@ def test_a_second_run_into_a_folder_in_use_stops_and_the_first_is_untouched(tmp_
     while not (lock.exists() and lock.read_text().strip()):
         assert first.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    second = run_cli(*long, "--output", str(tmp_path / "shared"))
+    second = launch(*long, "--output", str(tmp_path / "shared"))  # refused before any work
     assert first.poll() is None, "the first run ended before the second started"
     _one_line(second, "in use by pid", str(first.pid))
     _, stderr = first.communicate(timeout=300)

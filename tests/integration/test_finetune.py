@@ -16,7 +16,7 @@ from accel.export import main as export_main
 from accel.launch_single_task import main
 from accel.models.factory import ModelConfig, create_model, meta_model
 from accel.optim import parameter_settings
-from tests.helpers import HAS_XLA, micro_config, read_summary, run_cli, run_python, train_cli
+from tests.helpers import HAS_XLA, launch, micro_config, read_summary, run_cli, run_python, train
 
 # Without torch_xla (make test-latest) the other three, and the xla cases skip; CI requires it.
 BACKENDS = ("eager", "compile", "xla", "jax") if HAS_XLA else ("eager", "compile", "jax")
@@ -34,7 +34,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     out = {}
     for backend in BACKENDS:
         output = tmp_path_factory.mktemp(backend)
-        out[backend] = output, train_cli(output, *JOB, "--backend", backend)[0]
+        out[backend] = output, train(output, *JOB, "--backend", backend)[0]
     return out
 
 
@@ -114,7 +114,7 @@ def test_an_export_loads_in_timm_and_gives_the_same_logits(runs, tmp_path, secti
 
 def test_eval_only_evaluates_a_checkpoint_without_training_or_saving(runs, tmp_path):
     output, trained = runs["eager"]
-    summary, stdout = train_cli(
+    summary, stdout = train(
         tmp_path, *JOB, "--eval_only", "--resume", str(_checkpoint(output, "eager"))
     )
     assert summary["eval_only"] and summary["step"] == 5
@@ -128,21 +128,12 @@ def test_pretrained_path_with_other_classes_starts_a_fresh_head(runs, tmp_path):
     output, trained = runs["eager"]
     weights = tmp_path / "w.safetensors"
     assert export_main([str(_checkpoint(output, "eager")), "--out", str(weights)]) == 0
-    same, _ = train_cli(tmp_path / "same", *JOB, "--eval_only", "--pretrained_path", str(weights))
+    same, _ = train(tmp_path / "same", *JOB, "--eval_only", "--pretrained_path", str(weights))
     assert same["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-6)
-    result = run_cli(
-        *JOB,
-        "--num_classes",
-        "5",
-        "--pretrained_path",
-        str(weights),
-        "--output",
-        str(tmp_path / "five"),
-        "--steps",
-        "1",
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "a fresh classifier (10 classes there, 5 here)" in result.stdout
+    five = ("--num_classes", "5", "--pretrained_path", str(weights), "--steps", "1")
+    code, stdout, stderr = launch(*JOB, *five, "--output", str(tmp_path / "five"))
+    assert code == 0, stderr[-2000:]
+    assert "a fresh classifier (10 classes there, 5 here)" in stdout
     assert read_summary(tmp_path / "five")["steps"] == 1
 
 

@@ -9,8 +9,7 @@ import torch
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
 from accel.train import Trainer
-from tests.helpers import micro_config, read_summary, run_cli
-from tests.unit.test_folder import dirty_mock_imagenet
+from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli
 
 
 @pytest.fixture(scope="module")

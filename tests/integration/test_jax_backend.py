@@ -16,6 +16,8 @@ from accel.distributed import DistContext
 from accel.train import Trainer
 from tests.helpers import micro_config, read_summary, run_cli, run_cli_without
 
+pytestmark = pytest.mark.slow  # each test compiles its own jax step
+
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 
 

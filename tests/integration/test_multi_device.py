@@ -15,7 +15,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import ROOT, cli_command, read_summary, run_cli, train_cli
+from tests.helpers import ROOT, cli_command, read_summary, run_cli, train, train_cli
 from tests.shared_runs import SHARD_JOB, TP_JOB
 
 pytestmark = pytest.mark.slow
@@ -68,8 +68,8 @@ def test_xla_on_a_mesh_resumes_exactly_and_its_checkpoint_loads_into_eager(xla_r
     mesh = ("--backend", "xla", "--batch_size", "4", "--nproc_per_node", "2", "--shard", "full")
     resumed = _summary(tmp_path / "r", *mesh, "--resume", str(_checkpoint(output, "xla", 2)))
     np.testing.assert_allclose(resumed["losses"], sharded["losses"], rtol=1e-6)
-    eager = _summary(
-        tmp_path / "e", "--batch_size", "8", "--resume", str(_checkpoint(output, "xla", 6))
+    eager, _ = train(  # in this process: one rank of eager
+        tmp_path / "e", *JOB, "--batch_size", "8", "--resume", str(_checkpoint(output, "xla", 6))
     )
     np.testing.assert_allclose(eager["eval_loss"], sharded["eval_loss"], rtol=1e-5)
 
@@ -124,7 +124,7 @@ def _finish(procs: list[subprocess.Popen], timeout: int = 300) -> list[tuple[int
 
 
 @pytest.fixture(scope="module")
-def node_runs(tmp_path_factory, eager_runs, tp_runs) -> dict[str, tuple[dict, dict]]:
+def node_runs(tmp_path_factory, eager_runs, tp_runs, free_port) -> dict[str, tuple[dict, dict]]:
     """(two nodes of one process, one node of two processes) for each layout, the latter the
     shared runs of test_sharded.py and test_tensor_parallel.py."""
     layouts = {
@@ -133,9 +133,9 @@ def node_runs(tmp_path_factory, eager_runs, tp_runs) -> dict[str, tuple[dict, di
         "tp": ((*TP_JOB, "--tp_head", "2"), tp_runs["tp2"][1]),
     }
     runs = {}
-    for i, (name, (job, one_node)) in enumerate(layouts.items()):
+    for name, (job, one_node) in layouts.items():
         nodes = tmp_path_factory.mktemp(f"nodes-{name}")
-        finished = _finish(_nodes(nodes, 29631 + i, *job, base=()))
+        finished = _finish(_nodes(nodes, free_port(), *job, base=()))
         assert all(code == 0 for code, _ in finished), finished[0][1][-2000:]
         runs[name] = read_summary(nodes), one_node
     return runs
@@ -148,17 +148,17 @@ def test_two_nodes_train_the_losses_of_one_node_with_two_processes(node_runs, la
     np.testing.assert_allclose(two_nodes["losses"], one_node["losses"], rtol=1e-5)
 
 
-def test_killing_one_nodes_launcher_ends_the_other_naming_the_rank(tmp_path):
-    procs = _nodes(tmp_path, 29641, "--steps", "100000", "--batch_size", "8", "--save_every", "0")
+def test_killing_one_nodes_launcher_ends_the_other_naming_the_rank(tmp_path, free_port):
+    procs = _nodes(
+        tmp_path, free_port(), "--steps", "100000", "--batch_size", "8", "--save_every", "0"
+    )
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("**/metrics.rank1.jsonl")):
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline
         time.sleep(0.2)
     time.sleep(1.0)
     os.killpg(procs[1].pid, signal.SIGKILL)  # node 1: its launcher and its rank
-    killed = time.monotonic()
-    code, stderr = _finish(procs[:1], timeout=90)[0]
-    assert time.monotonic() - killed < 60
+    code, stderr = _finish(procs[:1], timeout=60)[0]  # it ends, without a hang
     assert code != 0 and "training failed on rank 0" in stderr
     assert not [
         p
@@ -167,25 +167,29 @@ def test_killing_one_nodes_launcher_ends_the_other_naming_the_rank(tmp_path):
     ]
 
 
-def test_a_node_that_never_arrives_is_one_line_naming_the_endpoint(tmp_path):
-    node = _node(tmp_path, 29643, 0, "--batch_size", "8", "--rdzv_timeout", "5")
+def test_a_node_that_never_arrives_is_one_line_naming_the_endpoint(tmp_path, free_port):
+    port = free_port()
+    node = _node(tmp_path, port, 0, "--batch_size", "8", "--rdzv_timeout", "5")
     code, stderr = _finish([node], timeout=120)[0]
     lines = [line for line in stderr.splitlines() if "error" in line]
     assert code == 2 and len(lines) == 1, stderr[-2000:]
-    assert "127.0.0.1:29643" in lines[0] and "1/2" in lines[0]
+    assert f"127.0.0.1:{port}" in lines[0] and "1/2" in lines[0]
 
 
-def test_nodes_started_with_different_options_are_refused_naming_the_key(tmp_path):
-    procs = [_node(tmp_path, 29645, r, "--batch_size", "8", "--seed", str(r)) for r in range(2)]
+def test_nodes_started_with_different_options_are_refused_naming_the_key(tmp_path, free_port):
+    port = free_port()
+    procs = [_node(tmp_path, port, r, "--batch_size", "8", "--seed", str(r)) for r in range(2)]
     finished = _finish(procs, timeout=180)
     assert all(code != 0 for code, _ in finished)
     assert any("different options: seed (rank 0: 0, rank 1: 1)" in err for _, err in finished)
 
 
 # --- jax: several processes, one mesh -----------------------------------------------------------
-def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_devices(tmp_path):
+def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_devices(
+    tmp_path, free_port
+):
     jax = ("--backend", "jax", "--batch_size", "4")
-    finished = _finish(_nodes(tmp_path / "two", 29651, *jax))
+    finished = _finish(_nodes(tmp_path / "two", free_port(), *jax))
     assert all(code == 0 for code, _ in finished), finished[0][1][-2000:]
     devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
     one = _summary(tmp_path / "one", *jax, "--nproc_per_node", "2", env=devices)
@@ -201,8 +205,8 @@ def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_device
     np.testing.assert_allclose(again["losses"], two["losses"], rtol=1e-6)
 
 
-def test_jax_coordination_variables_half_set_are_one_line(tmp_path):
-    env = {"JAX_COORDINATOR_ADDRESS": "127.0.0.1:29653", "JAX_NUM_PROCESSES": "2"}
+def test_jax_coordination_variables_half_set_are_one_line(tmp_path, free_port):
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
     result = run_cli(*JOB, "--backend", "jax", "--output", str(tmp_path), env=env, timeout=120)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]

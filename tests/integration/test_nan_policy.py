@@ -14,26 +14,9 @@ from accel.distributed import DistContext
 from accel.launch_single_task import EXIT_NONFINITE, main
 from accel.train import Trainer
 from tests import nan_model
-from tests.helpers import backend_tensors, checkpoint_tensors, micro_config
+from tests.helpers import NAN_EPOCHS, backend_tensors, checkpoint_tensors, nan_config, same_state
 
-EPOCHS = 2
-
-
-def _config(tmp_path, backend: str, data, **kw):
-    return micro_config(
-        tmp_path,
-        backend=backend,
-        model=nan_model.NAME,
-        source=str(data),
-        num_classes=2,
-        batch_size=4,
-        steps=None,
-        epochs=EPOCHS,
-        save_every=1,
-        keep_checkpoints=0,
-        log_every=1,
-        **kw,
-    )
+EPOCHS = NAN_EPOCHS
 
 
 def _state(trainer_or_path) -> dict[str, torch.Tensor]:
@@ -44,18 +27,6 @@ def _state(trainer_or_path) -> dict[str, torch.Tensor]:
 
 def _checkpoint(run_dir, step: int):
     return ckpt.checkpoint_dir(run_dir) / f"step_{step:08d}.pt"
-
-
-def _same(fa: dict, fb: dict) -> bool:
-    """Equal weights and optimizer state; state not created yet counts as AdamW's zeros."""
-    if {k for k in fa if k.startswith("model.")} != {k for k in fb if k.startswith("model.")}:
-        return False
-    for k in fa.keys() | fb.keys():
-        x = fa.get(k, torch.zeros_like(fb.get(k, torch.zeros(()))))
-        y = fb.get(k, torch.zeros_like(x))
-        if not torch.equal(x.float(), y.float()):
-            return False
-    return True
 
 
 def _not_json(constant: str):
@@ -70,16 +41,24 @@ def _before(step: int, cfg, run_dir) -> dict:
 
 
 XLA = pytest.mark.xla
+SLOW = pytest.mark.slow  # a compiled step; the fast tier checks eager's
 
 
 @pytest.mark.parametrize(
     "backend",
-    ["eager", pytest.param("xla", marks=XLA), pytest.param("xla+kernel_opt", marks=XLA), "jax"],
+    [
+        "eager",
+        pytest.param("xla", marks=[XLA, SLOW]),
+        pytest.param("xla+kernel_opt", marks=[XLA, SLOW]),
+        pytest.param("jax", marks=SLOW),
+    ],
 )
 def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, one_white_image, backend):
     # xla+kernel_opt: syncfree AdamW, which skips inside its own update given found_inf
     name, _, kernel_opt = backend.partition("+")
-    cfg = _config(tmp_path, name, one_white_image, nan_policy="skip", kernel_opt=bool(kernel_opt))
+    cfg = nan_config(
+        tmp_path, name, one_white_image, nan_policy="skip", kernel_opt=bool(kernel_opt)
+    )
     with pytest.warns(UserWarning, match="non-finite loss"):
         summary = Trainer(cfg, DistContext()).train()
     steps = summary["nonfinite_steps"]
@@ -91,16 +70,16 @@ def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, one_white_i
     assert on_disk["nonfinite_steps"] == steps
     assert [on_disk["losses"][s - 1] for s in steps] == [None] * EPOCHS  # strict JSON
     for step in steps:
-        assert _same(_state(_checkpoint(run_dir, step)), _before(step, cfg, run_dir)), step
+        assert same_state(_state(_checkpoint(run_dir, step)), _before(step, cfg, run_dir)), step
     applied = next(s for s in range(2, 9) if s not in steps)
-    assert not _same(_state(_checkpoint(run_dir, applied)), _before(applied, cfg, run_dir))
+    assert not same_state(_state(_checkpoint(run_dir, applied)), _before(applied, cfg, run_dir))
 
 
-@pytest.mark.parametrize("backend", ["eager", "jax"])
+@pytest.mark.parametrize("backend", ["eager", pytest.param("jax", marks=SLOW)])
 def test_stop_saves_a_clean_checkpoint_and_exits_non_zero_naming_the_step(
     tmp_path, one_white_image, backend, capsys
 ):
-    cfg = _config(tmp_path, backend, one_white_image)  # the default policy is stop
+    cfg = nan_config(tmp_path, backend, one_white_image)  # the default policy is stop
     code = main(
         [
             "--backend",
@@ -134,4 +113,4 @@ def test_stop_saves_a_clean_checkpoint_and_exits_non_zero_naming_the_step(
     saved = ckpt.latest_checkpoint(cfg.run_dir())
     assert saved.name == f"step_{step:08d}.pt"  # log_every 1: it stops right after that step
     assert "launch_single_task: error: non-finite loss" in err and "--resume auto" in err
-    assert _same(_state(saved), _before(step, cfg, cfg.run_dir()))
+    assert same_state(_state(saved), _before(step, cfg, cfg.run_dir()))

@@ -9,6 +9,8 @@ from nbclient import NotebookClient
 
 from tests.helpers import ROOT
 
+pytestmark = pytest.mark.slow  # a kernel process each, and real training
+
 NOTICES = ("IProgress", "TqdmWarning", "absl", "PJRT_DEVICE", "Tensorflow", "Traceback")
 
 
@@ -56,8 +58,7 @@ def test_swin_walkthrough_reads_the_median_speedup(tmp_path):
 def test_recompile_walkthrough_shows_the_cost_the_stop_and_the_fix(tmp_path):
     text = execute("03_xla_recompiles", tmp_path)
     assert int(re.search(r"ragged: compiles_after_warmup = (\d+)", text).group(1)) >= 1
-    cost = re.search(r"step 7 took ([\d.]+) s, a steady step ([\d.]+) s", text)
-    assert float(cost.group(1)) > 5 * float(cost.group(2))
+    assert re.search(r"step 7 took [\d.]+ s, a steady step [\d.]+ s", text)  # speeds: bench/
     assert "stopped: 1 graphs compiled after warm-up (limit 0)" in text
     assert "fixed: compiles_after_warmup = 0" in text
     assert "real images per batch: [8, 8, 5] = 21" in text

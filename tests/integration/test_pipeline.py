@@ -11,10 +11,15 @@ from safetensors.torch import load_file
 
 from accel.export import main as export_main
 from tests import nan_model
-from tests.helpers import checkpoint_tensors, read_summary, train_cli
-from tests.integration.test_nan_policy import _config as _nan_config
-from tests.integration.test_nan_policy import _same
-from tests.integration.test_sharded import _nan_rank
+from tests.helpers import (
+    checkpoint_tensors,
+    nan_config,
+    nan_rank,
+    read_summary,
+    same_state,
+    train,
+    train_cli,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +32,9 @@ PIPELINE = ("--nproc_per_node", "2", "--pp", "2")
 
 
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
-    return train_cli(output, *JOB, *extra)
+    """The job; in this process where it is one process, through the command line otherwise."""
+    several = "--nproc_per_node" in extra
+    return (train_cli if several else train)(output, *JOB, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -115,10 +122,10 @@ def test_autocast_reaches_every_stages_weights(tmp_path):
     np.testing.assert_allclose(piped["losses"], single["losses"], rtol=2e-3)
 
 
-def test_a_non_finite_step_is_skipped_on_every_stage(tmp_path, one_white_image):
+def test_a_non_finite_step_is_skipped_on_every_stage(tmp_path, one_white_image, free_port):
     """--nan_policy skip through the pipeline: the loss of the batch with the white image is
     NaN on the last stage only; every stage leaves its weights and AdamW state as they were."""
-    cfg = _nan_config(
+    cfg = nan_config(
         tmp_path,
         "eager",
         one_white_image,
@@ -128,13 +135,13 @@ def test_a_non_finite_step_is_skipped_on_every_stage(tmp_path, one_white_image):
         pp=2,
         pp_microbatches=2,
     )
-    mp.start_processes(_nan_rank, args=(cfg, 29581), nprocs=2, start_method="spawn")
+    mp.start_processes(nan_rank, args=(cfg, free_port()), nprocs=2, start_method="spawn")
     summary = read_summary(tmp_path)
     steps = summary["nonfinite_steps"]
     assert len(steps) == 2 and summary["steps"] == 8
     checkpoints = cfg.run_dir() / "checkpoints"
     states = {s: checkpoint_tensors(checkpoints / f"step_{s:08d}.dcp") for s in range(1, 9)}
     for step in (s for s in steps if s > 1):
-        assert _same(states[step], states[step - 1]), step
+        assert same_state(states[step], states[step - 1]), step
     applied = next(s for s in range(2, 9) if s not in steps)
-    assert not _same(states[applied], states[applied - 1])
+    assert not same_state(states[applied], states[applied - 1])

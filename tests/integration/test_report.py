@@ -19,6 +19,8 @@ from accel.report import main as report_main
 from accel.train import Trainer
 from tests.helpers import HAS_XLA, micro_config, run_cli
 
+pytestmark = pytest.mark.slow  # six runs: two each of eager, xla and jax, compiled
+
 BACKENDS = ("eager", "xla" if HAS_XLA else "compile", "jax")
 RUNS = ("first", "second")
 

@@ -17,7 +17,7 @@ from accel.data.config import DataConfig
 from accel.data.prepare import prepare_mock_imagenet
 from accel.distributed import DistContext
 from accel.train import Trainer
-from tests.helpers import micro_config, read_summary, run_cli, start_cli
+from tests.helpers import launch, micro_config, read_summary, run_cli, start_cli
 
 JOB = (
     "--model",
@@ -124,38 +124,15 @@ def test_sigterm_finishes_the_step_saves_and_resumes_exactly(tmp_path, reference
 
 
 def test_resuming_with_an_incompatible_config_names_the_keys(tmp_path):
-    first = run_cli(
-        "--steps",
-        "2",
-        "--batch_size",
-        "8",
-        "--workers",
-        "0",
-        "--no-eval",
-        "--run_name",
-        "a",
-        "--output",
-        str(tmp_path),
-    )
-    assert first.returncode == 0, first.stderr[-2000:]
+    job = ("--workers", "0", "--no-eval", "--output", str(tmp_path))
+    code, _, stderr = launch(*job, "--steps", "2", "--batch_size", "8", "--run_name", "a")
+    assert code == 0, stderr[-2000:]
     checkpoint = next(tmp_path.glob("vit_micro/eager/a/checkpoints/*.pt"))
-    result = run_cli(
-        "--model",
-        "swin_micro",
-        "--steps",
-        "4",
-        "--batch_size",
-        "4",
-        "--workers",
-        "0",
-        "--resume",
-        str(checkpoint),
-        "--output",
-        str(tmp_path),
-    )
-    assert result.returncode == 2
-    errors = [line for line in result.stderr.splitlines() if "error" in line]
-    assert len(errors) == 1 and "Traceback" not in result.stderr
+    other = ("--model", "swin_micro", "--steps", "4", "--batch_size", "4")
+    code, _, stderr = launch(*job, *other, "--resume", str(checkpoint))
+    assert code == 2
+    errors = [line for line in stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in stderr
     assert "model.name (checkpoint vit_micro, now swin_micro)" in errors[0]
     assert "global_batch (checkpoint 8, now 4)" in errors[0]
 

@@ -20,8 +20,17 @@ from accel.distributed import destroy_process_group
 from accel.models.factory import ModelConfig, create_model
 from accel.parallel import fsdp
 from tests import nan_model
-from tests.helpers import ROOT, checkpoint_tensors, cli_command, read_summary, run_cli, train_cli
-from tests.integration.test_nan_policy import _config as _nan_config
+from tests.helpers import (
+    ROOT,
+    checkpoint_tensors,
+    cli_command,
+    launch,
+    nan_config,
+    nan_rank,
+    read_summary,
+    run_cli,
+    train_cli,
+)
 from tests.shared_runs import SHARD_JOB
 
 pytestmark = pytest.mark.slow
@@ -68,10 +77,11 @@ def test_a_sharded_checkpoint_loads_into_one_unsharded_process(eager_runs, tmp_p
 def test_resuming_a_sharded_checkpoint_into_another_job_names_the_keys(eager_runs, tmp_path):
     output, _ = eager_runs["full"]
     last = output / "vit_micro/eager/r/checkpoints/step_00000006.dcp"
-    result = run_cli(*JOB, "--output", str(tmp_path), "--batch_size", "4", "--resume", str(last))
-    assert result.returncode == 2
-    assert "cannot resume" in result.stderr
-    assert "global_batch (checkpoint 32, now 8)" in result.stderr
+    job = (*JOB, "--output", str(tmp_path), "--batch_size", "4", "--resume", str(last))
+    code, _, stderr = launch(*job)
+    assert code == 2
+    assert "cannot resume" in stderr
+    assert "global_batch (checkpoint 32, now 8)" in stderr
 
 
 def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tmp_path):
@@ -128,28 +138,13 @@ def test_compile_with_fsdp_trains_the_ddp_losses(eager_runs, tmp_path):
     np.testing.assert_allclose(compiled["losses"][:5], ddp["losses"][:5], rtol=1e-4)
 
 
-def _nan_rank(rank: int, cfg, port: int) -> None:
-    """One of two spawned ranks training the NaN-on-white model sharded."""
-    from accel.distributed import DistContext, init_process_group
-    from accel.train import Trainer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
-    os.environ.update(WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    ctx = DistContext(rank, rank, 2)
-    init_process_group(ctx)
-    try:
-        Trainer(cfg, ctx).train()
-    finally:
-        destroy_process_group()
-
-
-def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_white_image):
+def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_white_image, free_port):
     """--nan_policy skip, sharded: the step with the white image saves the weights and AdamW
     moments it started from, bit for bit, on every shard; other steps change them."""
-    cfg = _nan_config(
+    cfg = nan_config(
         tmp_path, "eager", one_white_image, nan_policy="skip", shard="full", nproc_per_node=2
     )
-    mp.start_processes(_nan_rank, args=(cfg, 29563), nprocs=2, start_method="spawn")
+    mp.start_processes(nan_rank, args=(cfg, free_port()), nprocs=2, start_method="spawn")
     summary = read_summary(tmp_path)
     steps = summary["nonfinite_steps"]
     assert len(steps) == 2 and summary["steps"] == 4 and summary["shard"] == "full"
@@ -162,8 +157,9 @@ def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_whit
 
 
 @pytest.fixture
-def one_rank_group():
-    dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29561", rank=0, world_size=1)
+def one_rank_group(free_port):
+    address = f"tcp://127.0.0.1:{free_port()}"
+    dist.init_process_group("gloo", init_method=address, rank=0, world_size=1)
     yield
     destroy_process_group()
 

@@ -12,6 +12,7 @@ from tests.helpers import read_summary
 CHANCE = 0.1  # 10 synthetic classes
 
 
+@pytest.mark.slow  # three 40-step runs: the full suite
 @pytest.mark.parametrize("backend", ["eager", pytest.param("xla", marks=pytest.mark.xla), "jax"])
 def test_a_short_synthetic_run_learns_what_validation_asks(tmp_path, backend):
     argv = ["--backend", backend, "--model", "vit_micro", "--data", "synthetic"]

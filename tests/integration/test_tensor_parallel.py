@@ -16,7 +16,7 @@ from accel.backends.torch_core import local_bytes
 from accel.distributed import destroy_process_group
 from accel.parallel import tp_head
 from accel.parallel.mesh import MeshLayout
-from tests.helpers import checkpoint_tensors, train_cli
+from tests.helpers import checkpoint_tensors, train, train_cli
 from tests.shared_runs import TP_JOB
 
 pytestmark = pytest.mark.slow
@@ -62,7 +62,7 @@ def test_tp_checkpoint_holds_the_whole_classifier_and_resumes_exactly(runs, tmp_
     assert saved["model.model.head.weight"].shape == (11, 64)  # the padding row left out
     assert saved["optim.model.head.weight.exp_avg"].shape == (11, 64)
     assert saved["ema.model.head.weight"].shape == (11, 64)
-    plain, _ = _run(tmp_path / "plain", "--resume", str(checkpoints / "step_00000006.dcp"))
+    plain, _ = train(tmp_path / "plain", *JOB, "--resume", str(checkpoints / "step_00000006.dcp"))
     np.testing.assert_allclose(plain["eval_loss"], split["eval_loss"], rtol=1e-5)
     resumed, _ = _run(
         tmp_path / "resumed",
@@ -145,8 +145,9 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
         destroy_process_group()
 
 
-def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path):
-    mp.start_processes(_million_class_rank, args=(29571, tmp_path), nprocs=2, start_method="spawn")
+def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path, free_port):
+    args = (free_port(), tmp_path)
+    mp.start_processes(_million_class_rank, args=args, nprocs=2, start_method="spawn")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     classes = 1_000_000
     for r in ranks:

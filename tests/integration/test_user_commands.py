@@ -118,6 +118,4 @@ def test_second_jax_launch_hits_the_compilation_cache(tmp_path):
     second = _first_step_launch(tmp_path)  # same --output: same cache folder
     assert first["persistent_cache"] and second["persistent_cache"]
     assert first["persistent_cache_hits"] == 0 and second["persistent_cache_hits"] >= 1
-    assert second["compile_phases_s"]["compile_s"] < first["compile_phases_s"]["compile_s"] / 2
-    assert second["time_to_first_step_s"] < first["time_to_first_step_s"]
     assert any((tmp_path / ".compile_cache" / "jax").iterdir())

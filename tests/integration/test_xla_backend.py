@@ -8,7 +8,7 @@ from accel.backends.xla import XlaBackend, check_versions, compile_count
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
 from accel.train import Trainer
-from tests.helpers import micro_config, run_cli_without, train_cli
+from tests.helpers import micro_config, run_cli_without, train
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 # Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
@@ -33,6 +33,7 @@ def _run(tmp_path, backend: str, model: str, **kw) -> tuple[dict, Trainer]:
 
 
 XLA = pytest.mark.xla
+SLOW = pytest.mark.slow  # compiles; the fast tier's xla run is test_finetune's
 
 
 @pytest.fixture(scope="module", params=["vit_micro", "swin_micro"])
@@ -41,6 +42,7 @@ def xla_run(request, tmp_path_factory):
 
 
 @XLA
+@SLOW
 def test_thirty_steps_with_mixup_compile_nothing_after_warmup(xla_run):
     _, summary, _ = xla_run
     assert summary["steps"] == 30 and len(summary["losses"]) == 30
@@ -52,6 +54,7 @@ def test_thirty_steps_with_mixup_compile_nothing_after_warmup(xla_run):
 
 
 @XLA
+@SLOW
 def test_padded_evaluation_counts_every_sample_and_does_not_recompile(xla_run):
     _, summary, trainer = xla_run
     assert summary["eval_images"] == 25
@@ -62,6 +65,7 @@ def test_padded_evaluation_counts_every_sample_and_does_not_recompile(xla_run):
 
 
 @XLA
+@SLOW
 def test_first_five_losses_equal_eager_at_o0(xla_run, tmp_path):
     model, summary, _ = xla_run
     eager, _ = _run(tmp_path, "eager", model)
@@ -69,6 +73,7 @@ def test_first_five_losses_equal_eager_at_o0(xla_run, tmp_path):
 
 
 @XLA
+@SLOW
 def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
     cfg = micro_config(tmp_path, backend="xla", amp_level="O1")
     backend = XlaBackend(cfg, DistContext())
@@ -84,6 +89,7 @@ def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
 
 
 @XLA
+@SLOW
 def test_changing_batch_shape_stops_with_the_cause(tmp_path):
     cfg = micro_config(tmp_path, backend="xla", max_recompiles=0)
     backend = XlaBackend(cfg, DistContext())
@@ -118,10 +124,11 @@ def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
 
 
 @XLA
+@SLOW
 def test_evaluating_between_epochs_is_not_a_recompile(tmp_path):
     """--eval_every compiles evaluation graphs mid-run; --max_recompiles 0 counts only the
     training step's."""
-    summary, _ = train_cli(
+    summary, _ = train(
         tmp_path,
         *("--backend", "xla", "--epochs", "2", "--synthetic_length", "64", "--batch_size", "16"),
         *("--workers", "0", "--eval_every", "1", "--max_recompiles", "0"),

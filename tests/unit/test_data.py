@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from accel.data.config import DataConfig, MixupConfig
@@ -30,6 +31,7 @@ def test_mixup_targets_are_soft_and_batch_stays_uint8():
     assert (batch["targets"].max(1).values < 0.9).float().mean() > 0.5
 
 
+@pytest.mark.slow  # loader workers: forkserver processes
 def test_batches_reproduce_exactly_whatever_the_worker_count():
     mix = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
     batches = []
@@ -41,6 +43,7 @@ def test_batches_reproduce_exactly_whatever_the_worker_count():
         assert torch.equal(a["images"], b["images"]) and torch.equal(a["targets"], b["targets"])
 
 
+@pytest.mark.slow  # loader workers: forkserver processes
 def test_mixup_switches_off_inside_persistent_workers():
     loader = _loader(MixupConfig(mixup_alpha=0.8, off_epoch=1), workers=1, persistent_workers=True)
     maxima = []

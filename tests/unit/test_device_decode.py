@@ -16,8 +16,7 @@ from accel.data.jpeg_decoders import decoding_error as device_decoding_error
 from accel.data.loaders import build_train_loader
 from accel.data.sampling import SampleKey
 from accel.resolve import resolve_decode_on
-from tests.helpers import micro_config
-from tests.unit.test_folder import dirty_mock_imagenet
+from tests.helpers import dirty_mock_imagenet, micro_config
 
 MIX = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 
@@ -50,6 +49,7 @@ def test_device_path_gives_the_cpu_paths_crops_targets_and_skips(dirty_imagenet)
     assert skipped == {"truncated.jpg", "empty.jpg", "notes.png"}  # the truncated one: on device
 
 
+@pytest.mark.slow  # loader workers: forkserver processes
 def test_device_path_is_the_same_with_workers_and_after_a_resume(dirty_imagenet):
     reference = _epoch(dirty_imagenet, "cpu", mixup=MIX)
     with_workers = _epoch(dirty_imagenet, "cpu", workers=2, mixup=MIX)
@@ -125,6 +125,7 @@ AUGMENT = {
 }
 
 
+@pytest.mark.slow  # loader workers: forkserver processes
 @pytest.mark.parametrize("decode_on", ["workers", "cpu"], ids=["cpu-decode", "device-decode"])
 def test_augmented_batches_are_the_same_with_workers_and_after_a_resume(dirty_imagenet, decode_on):
     """RandAugment, erasing, crops and flips drawn per sample from its key: the same batches

@@ -1,6 +1,5 @@
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -8,43 +7,7 @@ from PIL import Image
 from accel.data.config import DataConfig
 from accel.data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
 from accel.data.loaders import build_train_loader
-from accel.data.prepare import prepare_mock_imagenet
-
-
-def add_bad_files(root: Path) -> dict[str, Path]:
-    """Real files of every awkward kind in the first class folder of train/."""
-    folder = sorted((root / "train").iterdir())[0]
-    good = next(folder.glob("*.JPEG")).read_bytes()
-    rgb = np.random.default_rng(0).integers(0, 256, (40, 40, 3), dtype=np.uint8)
-    files = {
-        "truncated": folder / "truncated.jpg",
-        "empty": folder / "empty.jpg",
-        "not_image": folder / "notes.png",
-        "gray": folder / "gray.jpg",
-        "rgba": folder / "rgba.png",
-        "cmyk": folder / "cmyk.jpg",
-    }
-    files["truncated"].write_bytes(good[: len(good) // 2])
-    files["empty"].write_bytes(b"")
-    files["not_image"].write_text("this is not an image\n")
-    Image.fromarray(rgb[..., 0], mode="L").save(files["gray"])
-    Image.fromarray(np.dstack([rgb, rgb[..., :1]]), mode="RGBA").save(files["rgba"])
-    Image.fromarray(rgb, mode="RGB").convert("CMYK").save(files["cmyk"])
-    return files
-
-
-def dirty_mock_imagenet(folder: Path, val_per_class: int) -> Path:
-    """3 classes of 6 real JPEGs for training, plus every awkward kind of file in the first."""
-    root = prepare_mock_imagenet(
-        folder / "imagenet",
-        classes=3,
-        per_class=6,
-        val_per_class=val_per_class,
-        size=40,
-        progress=False,
-    )
-    add_bad_files(root)
-    return root
+from tests.helpers import dirty_mock_imagenet
 
 
 @pytest.fixture(scope="module")
