@@ -38,9 +38,8 @@ from tests.helpers import (
 )
 
 BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile", "jax"]
-PARITY = {"rel": 1e-4, "abs": 1e-5}
-# Training runs on every backend: the full suite. The refusals and the schedule stay in the fast tier.
-SLOW = pytest.mark.slow  # fp32 across compilers: the backends' parity tests' bound
+PARITY = {"rel": 1e-4, "abs": 1e-5}  # fp32 across compilers: the backends' parity tests' bound
+SLOW = pytest.mark.slow  # training on every backend: the full suite (refusals stay in the fast)
 
 
 def train(backend: str, kind: str, steps: int = 5, **options) -> tuple[list[float], dict]:
