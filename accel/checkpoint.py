@@ -84,6 +84,22 @@ def set_host_rng_state(state: dict[str, torch.Tensor]) -> None:
     torch.set_rng_state(state["torch"])
 
 
+DEVICE_PREFIX = "device_"
+
+
+def rng_states(backend: Any) -> dict[str, torch.Tensor]:
+    """This process's generator states: the host's, and the backend's device ones by prefix."""
+    device = {DEVICE_PREFIX + k: v for k, v in backend.rng_state().items()}
+    return {**host_rng_state(), **device}
+
+
+def restore_rng_states(state: dict[str, torch.Tensor], backend: Any) -> None:
+    """What rng_states saved, back into the host's generators and the backend's."""
+    set_host_rng_state(state)
+    n = len(DEVICE_PREFIX)
+    backend.load_rng_state({k[n:]: v for k, v in state.items() if k.startswith(DEVICE_PREFIX)})
+
+
 def gather_rng(mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
     """Every rank's generator states in rank order, as one byte tensor a rank (the states have
     the same shapes on every rank), gathered with one all_gather."""
@@ -353,8 +369,7 @@ class CheckpointManager:
         self.data_world = data_world  # data-parallel replicas: what orders the data
 
     def _rng(self) -> dict[str, torch.Tensor]:
-        device = {f"device_{k}": v for k, v in self.backend.rng_state().items()}
-        return {**host_rng_state(), **device}
+        return rng_states(self.backend)
 
     def save(self, step: int, loop: dict[str, Any]) -> Path:
         """Called on every rank."""

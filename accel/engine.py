@@ -39,10 +39,10 @@ from accel.checkpoint import (
     FORMAT,
     CheckpointError,
     gather_rng,
-    host_rng_state,
     load_state,
     read_meta,
-    set_host_rng_state,
+    restore_rng_states,
+    rng_states,
     to_cpu,
     write_file,
 )
@@ -227,9 +227,7 @@ class Engine:
         """Sums of `metric_fn(model, batch)` ({name: tensor}) over the batches and the ranks,
         on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
         of them)."""
-        check_sharded(batches, self.runner.data_parallel[1])
-        device = self.runner.device_batches(tuple(b) for b in batches)
-        return self.runner.evaluate_sums(device, metric_fn, ema)
+        return self.runner.evaluate_sums(self.loader(batches), metric_fn, ema)
 
     # --- checkpoints: the command line's format, tensors only ------------------------------------
     def save(self, path: str | Path) -> Path:
@@ -239,8 +237,7 @@ class Engine:
         if self.runner.sharded_checkpoint:
             raise AccelError("save: sharded layouts save through the command line")
         path = Path(path)
-        device = {f"device_{k}": v for k, v in self.runner.rng_state().items()}
-        rngs = gather_rng({**host_rng_state(), **device})
+        rngs = gather_rng(rng_states(self.runner))
         if self.ctx.is_main:
             meta = {"loop": {"step": self.steps_done}, "world_size": self.replicas, "rng": rngs}
             state = to_cpu(self.runner.checkpoint_state())
@@ -261,12 +258,7 @@ class Engine:
         self.steps_done = int(meta["loop"]["step"])
         states = meta.get("rng") or []
         if states and meta.get("world_size") == self.replicas:
-            mine = states[min(self.rank, len(states) - 1)]
-            set_host_rng_state(mine)
-            prefix = "device_"
-            self.runner.load_rng_state(
-                {k[len(prefix) :]: v for k, v in mine.items() if k.startswith(prefix)}
-            )
+            restore_rng_states(states[min(self.rank, len(states) - 1)], self.runner)
 
 
 def check_sharded(batches: Iterable, ranks: int) -> None:

@@ -20,7 +20,7 @@ from accel.backends import Backend, create_backend
 from accel.checkpoint import (
     CheckpointManager,
     remove_stale_temporaries,
-    set_host_rng_state,
+    restore_rng_states,
     storage_error,
 )
 from accel.config import ConfigError, RunConfig
@@ -207,11 +207,7 @@ class Trainer:
         self.state = LoopState(**saved.loop)
         self.tracker.restore(self.state)
         if saved.rng is not None:
-            set_host_rng_state(saved.rng)
-            prefix = "device_"
-            self.backend.load_rng_state(
-                {k[len(prefix) :]: v for k, v in saved.rng.items() if k.startswith(prefix)}
-            )
+            restore_rng_states(saved.rng, self.backend)
         self.logger.info(f"resumed from {path} at step {self.state.step}")
 
     def save(self) -> None:
