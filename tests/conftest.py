@@ -51,6 +51,9 @@ STARTERS = (
     helpers.run_cli,
     helpers.train_cli,
     helpers.start_cli,
+    helpers.run_script,
+    helpers.run_command,
+    helpers.Command,
     helpers.run_python,
     helpers.run_cli_without,
     helpers.nan_rank,
@@ -157,8 +160,18 @@ def _guarded_process_start(self):
     return _process_start(self)
 
 
+_server_start = helpers._Server.start
+
+
+def _guarded_server_start(request: dict) -> int:
+    if _Guard.item is not None:
+        _refuse(f"a process ({' '.join(map(str, request['argv'][:4]))[:200]} ...)")
+    return _server_start(request)
+
+
 subprocess.Popen.__init__ = _guarded_popen_init
 multiprocessing.process.BaseProcess.start = _guarded_process_start
+helpers._Server.start = _guarded_server_start
 
 
 def _guarded(item):
@@ -183,6 +196,18 @@ def pytest_runtest_call(item):
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item):
     return (yield from _guarded(item))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def command_files(tmp_path_factory):
+    """Where the commands the suite forks (helpers.Command) write their stdout, stderr and
+    exit status; the server that forks them ends with the session."""
+    helpers._Server.folder = tmp_path_factory.mktemp("commands")
+    helpers._Server.env = dict(os.environ)
+    yield
+    if helpers._Server.process is not None:
+        helpers._Server.process.stdin.close()  # the server returns on end of input
+        helpers._Server.process.wait(timeout=60)
 
 
 @pytest.fixture(scope="session")

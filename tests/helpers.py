@@ -7,9 +7,11 @@ import importlib.util
 import io
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -92,28 +94,119 @@ def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "accel.launch_single_task", *args]
 
 
-def start_cli(*args: str) -> subprocess.Popen:
+class _Server:
+    """tests/cli_server.py, started on first use and kept for the session: it forks each command
+    from a process that has already imported torch, timm, JAX and accel."""
+
+    process: subprocess.Popen | None = None
+    # Set by conftest as the session starts: the commands' stdout, stderr and status files, and
+    # the environment the server imports in.
+    folder: Path | None = None
+    env: dict[str, str] | None = None
+    count = 0
+
+    @classmethod
+    def start(cls, request: dict) -> int:
+        """Fork the command `request` describes (tests/cli_server.py); its pid."""
+        if cls.process is None or cls.process.poll() is not None:
+            cls.process = subprocess.Popen(
+                [sys.executable, "-m", "tests.cli_server"],
+                cwd=ROOT,
+                env=cls.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        cls.count += 1
+        base = cls.folder / str(cls.count)
+        request.update(stdout=f"{base}.out", stderr=f"{base}.err", status=f"{base}.status")
+        Path(request["stdout"]).touch()  # to be read from the start, while the command runs
+        Path(request["stderr"]).touch()
+        cls.process.stdin.write(json.dumps(request) + "\n")
+        cls.process.stdin.flush()
+        reply = cls.process.stdout.readline()
+        assert reply, "the suite's command server (tests/cli_server.py) has ended"
+        return json.loads(reply)["pid"]
+
+
+class Command:
+    """A command forked by tests/cli_server.py, with what the suite uses of subprocess.Popen:
+    pid, poll, wait, send_signal, kill, communicate, returncode, and stdout and stderr as text
+    files to read while it runs."""
+
+    def __init__(
+        self,
+        argv: list[str],
+        env: dict | None = None,
+        script: str | None = None,
+        cwd: Path = ROOT,
+        new_session: bool = False,
+    ):
+        self.args = [script, *argv] if script else cli_command(*argv)
+        request = {"argv": argv, "env": {**os.environ, **(env or {})}, "cwd": str(cwd)}
+        request.update(script=script, new_session=new_session)
+        self.pid = _Server.start(request)  # which adds the paths of its files
+        self._status = Path(request["status"])
+        self.stdout = open(request["stdout"])  # noqa: SIM115 (closed by communicate)
+        self.stderr = open(request["stderr"])  # noqa: SIM115
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None and self._status.exists():
+            self.returncode = int(self._status.read_text())
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        self.send_signal(signal.SIGKILL)
+
+    def communicate(self, timeout: float | None = None) -> tuple[str, str]:
+        """Wait for the end; all of stdout and stderr (from where reading has got to)."""
+        self.wait(timeout)
+        out, err = self.stdout.read(), self.stderr.read()
+        self.stdout.close()
+        self.stderr.close()
+        return out, err
+
+
+def start_cli(*args: str) -> Command:
     """launch_single_task in the background, to signal or kill it while it trains."""
-    return subprocess.Popen(
-        cli_command(*args),
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
+    return Command(list(args))
+
+
+def run_command(command: Command, timeout: int) -> subprocess.CompletedProcess:
+    """`command` to its end, as subprocess.run: killed, and TimeoutExpired raised, at `timeout`."""
+    try:
+        out, err = command.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        command.kill()
+        command.communicate()
+        raise
+    return subprocess.CompletedProcess(command.args, command.returncode, out, err)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
-    full_env = {**os.environ, **(env or {})}
-    return subprocess.run(
-        cli_command(*args),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        env=full_env,
-        timeout=timeout,
-    )
+    """`python -m accel.launch_single_task ARGS` (with `env` over this process's environment) in
+    a process of its own, forked ready-imported (tests/cli_server.py)."""
+    return run_command(Command(list(args), env), timeout)
+
+
+def run_script(
+    script: str, *args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """`python SCRIPT ARGS` in a process of its own, forked ready-imported (as run_cli)."""
+    return run_command(Command(list(args), env, str(Path(cwd) / script), cwd), timeout)
 
 
 def train_cli(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 
 from accel.data.prepare import prepare_digits
-from bench.convergence import BACKENDS, curves, train_curves
-from tests.helpers import HAS_XLA
+from bench.convergence import BACKENDS, FLAGS, curves
+from tests.helpers import HAS_XLA, train_cli
 
 EPOCHS, EAGER_TOP1, DISTANCE = 6, 0.6, 0.1
 
@@ -20,7 +20,10 @@ def runs(tmp_path_factory) -> dict:
     data = prepare_digits(tmp_path_factory.mktemp("digits"))
     # Without torch_xla (make test-latest) the other three; CI requires it (ACCEL_REQUIRE_XLA).
     backends = BACKENDS if HAS_XLA else tuple(b for b in BACKENDS if b != "xla")
-    return train_curves(data, tmp_path_factory.mktemp("runs"), backends, EPOCHS)
+    # bench/convergence.py's flags, the images decoded in the training process: the batches
+    # its loader workers give (test_user_commands.py), without a fork server and workers to start.
+    flags = (*FLAGS, "--data", str(data), "--epochs", str(EPOCHS), "--workers", "0")
+    return {b: train_cli(tmp_path_factory.mktemp(b), *flags, "--backend", b)[0] for b in backends}
 
 
 def test_the_digits_folder_is_the_real_dataset(tmp_path):

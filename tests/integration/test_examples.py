@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import HAS_XLA, ROOT
+from tests.helpers import HAS_XLA, ROOT, run_script
 
 pytestmark = pytest.mark.slow
 DOCS = ("README.md", "docs/api.md")
@@ -30,15 +30,19 @@ def run(command: str, tmp_path) -> dict:
     """Run a documented command verbatim (its output folder under tmp_path); its losses.json."""
     words = shlex.split(command, comments=True)
     # On a CPU: XLA's and JAX's host platforms, with two devices for the commands that ask.
-    env = dict(os.environ, PJRT_DEVICE="CPU", JAX_PLATFORMS="cpu")
+    env = {"PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     while "=" in words[0]:
         key, value = words.pop(0).split("=", 1)
         env[key] = value
     out = tmp_path / words[words.index("--out") + 1]
     words[words.index("--out") + 1] = str(out)
-    words[0] = os.path.join(os.path.dirname(sys.executable), words[0])  # this venv's python
-    done = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if words[0] == "python":  # `python SCRIPT ...`: a process forked ready-imported
+        done = run_script(words[1], *words[2:], env=env)
+    else:  # torchrun: this venv's
+        words[0] = os.path.join(os.path.dirname(sys.executable), words[0])
+        env = {**os.environ, **env}
+        done = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
     return json.loads((out / "losses.json").read_text())
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 
 import pytest
 
-from tests.helpers import ROOT
+from tests.helpers import run_script
 
 pytestmark = pytest.mark.slow  # its stages start pytest and the launcher
 
@@ -18,9 +17,9 @@ pytestmark = pytest.mark.slow  # its stages start pytest and the launcher
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, str]:
     folder = tmp_path_factory.mktemp("gpu-check")
-    cmd = [sys.executable, "bench/gpu_check.py", "--smoke", "--results", str(folder)]
-    cmd += ["--budget", "600"]  # per stage: none is cut short on a busy machine
-    done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    # --budget per stage: none is cut short on a busy machine
+    args = ("--smoke", "--results", str(folder), "--budget", "600")
+    done = run_script("bench/gpu_check.py", *args, timeout=900)
     record = json.loads((folder / "gpu-check-smoke.json").read_text())
     return done, record, (folder / "gpu-check-smoke.md").read_text()
 

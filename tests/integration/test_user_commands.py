@@ -1,6 +1,8 @@
 """Commands as users type them: the seed's own launch lines and the README's quick start verbatim,
 jax with loader workers, and a second launch of a jax job that reuses the first one's compiled
-step."""
+step. The installed console script itself runs the first seed command; the others run its
+main() in a process forked ready-imported (tests/cli_server.py), with the same arguments,
+environment and working folder."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, read_summary, run_cli
+from tests.helpers import ROOT, Command, read_summary, run_cli, run_command
 
 SCRIPT = Path(sys.executable).with_name("launch_single_task")  # the installed console script
 SEED_COMMANDS = [
@@ -28,21 +30,24 @@ SEED_COMMANDS = [
 ]
 
 
+def typed(command: str, env: dict, cwd: Path, console_script: bool = False):
+    """`command` (`launch_single_task ARGS` after any VAR=value) run in `cwd`, where the default
+    --output, runs/, lands; through the installed console script where asked."""
+    words = shlex.split(command.split("#")[0])
+    args = words[words.index("launch_single_task") + 1 :]
+    if not console_script:
+        return run_command(Command(args, env, cwd=cwd), timeout=600)
+    env = {**os.environ, **env}
+    argv = [str(SCRIPT), *args]
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+
+
 @pytest.mark.parametrize(
     ("command", "env", "backend", "level"),
     [pytest.param(*c, marks=[pytest.mark.xla] if c[2] == "xla" else []) for c in SEED_COMMANDS],
 )
 def test_seed_commands_train_a_default_length(tmp_path, command, env, backend, level):
-    argv = shlex.split(command)
-    argv = [str(SCRIPT), *argv[argv.index("launch_single_task") + 1 :]]
-    result = subprocess.run(
-        argv,
-        cwd=tmp_path,  # the default --output, runs/, lands here
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    result = typed(command, env, tmp_path, console_script=command == SEED_COMMANDS[0][0])
     assert result.returncode == 0, result.stderr[-3000:]
     first_lines = result.stdout.splitlines()[:3]
     assert any("no --steps or --epochs given: training 1 epoch" in line for line in first_lines)
@@ -70,12 +75,9 @@ QUICK_START = readme_quick_start()
     [pytest.param(c, marks=[pytest.mark.xla] if "USE_ACCEL=1" in c else []) for c in QUICK_START],
 )
 def test_the_readme_quick_start_runs_as_written_and_learns(tmp_path, command):
-    argv = shlex.split(command.split("#")[0])
-    env = dict(a.split("=", 1) for a in argv[: argv.index("launch_single_task")])
-    argv = [str(SCRIPT), *argv[argv.index("launch_single_task") + 1 :]]
-    result = subprocess.run(
-        argv, cwd=tmp_path, env={**os.environ, **env}, capture_output=True, text=True, timeout=600
-    )
+    words = shlex.split(command.split("#")[0])
+    env = dict(a.split("=", 1) for a in words[: words.index("launch_single_task")])
+    result = typed(command, env, tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.splitlines()[0].startswith("accel: backend ")
     assert result.stdout.splitlines()[-1].startswith("accel: ")  # the README's last line
