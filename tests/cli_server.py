@@ -1,6 +1,6 @@
-"""A process that has imported torch, timm, JAX and accel once, and forks a fresh child for each
-command of the suite that runs the command line or a script (tests/helpers.py: run_cli,
-start_cli, run_script).
+"""A process that has imported torch, timm, torch_xla, JAX and accel once, and forks a fresh
+child for each command of the suite that runs the command line or a script (tests/helpers.py:
+run_cli, start_cli, run_script).
 
 Each child is a process of its own, as `python -m accel.launch_single_task ...` would be: its own
 environment, working folder, stdout and stderr files, signals and exit code. What it skips is

@@ -96,7 +96,7 @@ def cli_command(*args: str) -> list[str]:
 
 class _Server:
     """tests/cli_server.py, started on first use and kept for the session: it forks each command
-    from a process that has already imported torch, timm, JAX and accel."""
+    from a process that has already imported torch, timm, torch_xla, JAX and accel."""
 
     process: subprocess.Popen | None = None
     # Set by conftest as the session starts: the commands' stdout, stderr and status files, and
