@@ -8,8 +8,16 @@ from collections.abc import Callable, Iterable, Iterator
 from accel.backends import Backend
 from accel.config import RunConfig
 from accel.data.loaders import build_eval_loader
+from accel.losses import classifier_metrics, summarise
 
 EMA_SUFFIX = "_ema"
+
+
+def evaluate_classifier(backend: Backend, loader: Iterable[dict], ema: bool = False) -> dict:
+    """eval_loss, eval_acc, eval_acc5 and eval_images over an evaluation loader's masked,
+    padded batches: the public API's evaluation with the command line's metric (one path)."""
+    batches = ((b["images"], b["labels"], b["mask"]) for b in loader)
+    return summarise(backend.evaluate_sums(batches, classifier_metrics, ema=ema))
 
 
 class Evaluator:
@@ -27,7 +35,7 @@ class Evaluator:
 
     def _pass(self, ema: bool) -> dict[str, float]:
         loader = build_eval_loader(*self.args)
-        return self.backend.evaluate(self.track(loader), ema=ema)
+        return evaluate_classifier(self.backend, self.track(loader), ema)
 
     def __call__(self) -> dict[str, float]:
         """eval_loss, eval_acc, eval_acc5, eval_images, and their _ema twins where kept."""

@@ -42,13 +42,28 @@ def eval_sums(logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor) ->
     return masked_sums(loss, hits[:, 0], mask, hits.any(-1))
 
 
-def summarise(sums: list[float]) -> dict[str, float]:
-    """eval_loss, eval_acc, eval_acc5 and eval_images from summed masked_sums."""
-    loss_sum, correct, count, correct5 = sums
-    count = max(count, 1.0)
+# The names of masked_sums' four values, as evaluation sums them (over batches and ranks).
+EVAL_SUMS = ("loss_sum", "correct", "count", "correct5")
+
+
+def named_sums(sums: torch.Tensor) -> dict[str, torch.Tensor]:
+    """masked_sums by name, as a metric function returns them."""
+    return dict(zip(EVAL_SUMS, sums.unbind(), strict=True))
+
+
+def classifier_metrics(model: Callable, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    """The command line's evaluation in the public API's metric form (model, batch) -> sums:
+    masked loss, top-1 and top-5 over (images, labels, mask), the padding masked out."""
+    images, labels, mask = batch
+    return named_sums(eval_sums(model(images), labels, mask))
+
+
+def summarise(sums: dict[str, float]) -> dict[str, float]:
+    """eval_loss, eval_acc, eval_acc5 and eval_images from summed classifier_metrics."""
+    count = max(sums["count"], 1.0)
     return {
-        "eval_loss": loss_sum / count,
-        "eval_acc": correct / count,
-        "eval_acc5": correct5 / count,
+        "eval_loss": sums["loss_sum"] / count,
+        "eval_acc": sums["correct"] / count,
+        "eval_acc5": sums["correct5"] / count,
         "eval_images": int(count),
     }

@@ -111,11 +111,10 @@ def run_row(run: Run) -> dict[str, Any]:
     """One run's numbers, by RUN_COLUMNS."""
     s = run.summary
     ips = s.get("images_per_sec") or None
-    phases = s.get("compile_phases_s") or {}
     row = {k: s.get(k) for k in RUN_COLUMNS}
     row.update(model=run.model, backend=run.backend, run=run.name)
     row["step_time_ms"] = 1000 * s["global_batch_size"] / ips if ips else None
-    row["compile_s"] = s.get("compile_time_s") or (sum(phases.values()) if phases else None)
+    row["compile_s"] = s.get("compile_time_s")  # BackendStats.compile_time_s, on every backend
     row["final_loss"] = s["losses"][-1] if s.get("losses") else None
     row["peak_device_mib"] = _mib(s.get("peak_memory_bytes"))
     row["peak_host_mib"] = _mib(s.get("peak_host_bytes"))

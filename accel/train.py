@@ -399,7 +399,7 @@ class Trainer:
             "versions": stack(),
             **utilisation(ips, self.flops_per_image, self.cfg.peak_tflops, replicas),
             "run_dir": str(self.cfg.run_dir()),
-            **self.backend.stats(),
+            **self.backend.stats().to_summary(),
         }
         summary["device"] = describe_device(summary["device_name"])
         if self.cfg.eval:

@@ -11,7 +11,7 @@ cannot run here), context() (this process's place among the replicas) and build(
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
@@ -33,6 +33,12 @@ MetricFn = Callable[[Callable[..., torch.Tensor], Batch], dict[str, torch.Tensor
 class StepResult(NamedTuple):
     loss: float  # mean over ranks
     applied: bool  # False: the loss or the gradients were not finite and the update was skipped
+
+    @classmethod
+    def from_rows(cls, rows: Iterable[Any]) -> list[StepResult]:
+        """Step handles' host values, [loss, applied as 1.0 or 0.0] each, as StepResults (each
+        backend's fetch_results is the transfer to the host, and this)."""
+        return [cls(float(loss), bool(applied > 0)) for loss, applied in rows]
 
 
 class BackendUnavailable(RuntimeError):
@@ -59,6 +65,32 @@ class Supports:
     replicas: str = "processes"
     cpu_replicas: bool = True  # more than one replica on a CPU machine
     kernel_opt: str = "nothing"  # what --kernel-opt adds
+
+
+@dataclass
+class BackendStats:
+    """What a backend tells of its run; summary.json holds these fields by these names (the
+    `details` by their own), and the report reads them there."""
+
+    graphs_compiled: int = 0  # programs or frames compiled in the run
+    compiles_after_warmup: int = 0
+    # Seconds spent compiling (xla: its CompileTime; jax: the phases' sum); None where the
+    # backend does not measure it (eager, compile).
+    compile_time_s: float | None = None
+    compile_phases_s: dict[str, float] = field(default_factory=dict)  # jax: where it went
+    persistent_cache: bool = False  # compiled programs kept between runs
+    persistent_cache_hits: int = 0
+    fallback_ops: dict[str, int] = field(default_factory=dict)  # ops run off the compiler
+    devices: int = 1  # devices this process drives
+    shard: str = "none"
+    state_bytes: dict[str, int] = field(default_factory=dict)  # training state a rank holds
+    peak_memory_bytes: int | None = None  # the device allocator's peak (None: not kept)
+    details: dict[str, Any] = field(default_factory=dict)  # what only this backend has
+
+    def to_summary(self) -> dict[str, Any]:
+        """The fields as summary.json holds them, `details` among them."""
+        fields = asdict(self)
+        return {**fields, **fields.pop("details")}
 
 
 @runtime_checkable
@@ -92,14 +124,12 @@ class Backend(Protocol):
     def fetch_results(self, handles: list[Any]) -> list[StepResult]:
         """Host values of step handles, averaged over ranks: one sync for the whole group."""
 
-    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
-        """Mean loss, top-1 and top-5 accuracy over masked, padded batches, reduced over
-        ranks; with `ema`, of the EMA weights."""
-
     def evaluate_sums(
         self, batches: Iterable[Any], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
-        """The user's metric sums over device batches, summed over ranks (the public API)."""
+        """Sums of `metric_fn(model, batch)` over host or device batches, summed over ranks;
+        with `ema`, of the EMA weights. The one evaluation: the command line's is
+        losses.classifier_metrics over masked, padded batches."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """{'model': {name: tensor}, 'optim': {name: {'step', 'exp_avg', 'exp_avg_sq'}}, and
@@ -123,8 +153,8 @@ class Backend(Protocol):
     def mark_warmup_done(self) -> None:
         """Start counting compiles from here on."""
 
-    def stats(self) -> dict[str, Any]:
-        """compiles_after_warmup, fallback_ops and whatever else the backend can tell."""
+    def stats(self) -> BackendStats:
+        """Compiles, memory and whatever else the backend can tell of the run so far."""
 
 
 class BackendModule(Protocol):

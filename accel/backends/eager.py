@@ -13,12 +13,11 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.amp import amp_policy
-from accel.backends.base import Batch, LossFn, MetricFn, StepResult, Supports
+from accel.backends.base import BackendStats, Batch, LossFn, MetricFn, StepResult, Supports
 from accel.backends.torch_core import TorchCore, fused_guard, metric_sums
 from accel.backends.torch_layouts import make_layout
 from accel.config import SHARD_MODES, RunConfig
 from accel.distributed import DistContext, env_context
-from accel.losses import summarise
 from accel.models.factory import ModelConfig, meta_model
 from accel.optim import OptimizerSpec, param_groups, parameter_settings
 from accel.parallel import effective_shard
@@ -53,7 +52,8 @@ class Compiler(Protocol):
 
     def mark_warmup_done(self) -> None: ...
 
-    def stats(self) -> dict[str, Any]: ...
+    def stats(self) -> dict[str, int]:
+        """graphs_compiled and compiles_after_warmup (BackendStats' fields)."""
 
 
 def torch_device(ctx: DistContext) -> torch.device:
@@ -153,32 +153,17 @@ class EagerBackend:
 
     def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
         rows = torch.stack(handles).float().cpu().tolist() if handles else []
-        return [StepResult(loss, applied > 0) for loss, applied in rows]
-
-    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
-        if ema:
-            with self.core.ema_weights():
-                return self._evaluate(batches)
-        return self._evaluate(batches)
-
-    @torch.no_grad()
-    def _evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
-        self.layout.module.eval()
-        sums = torch.zeros(4, device=self.device)
-        for batch in batches:
-            images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
-            sums += self.layout.eval_sums(images, labels, mask, self.core)
-        self.layout.module.train()
-        return summarise(self.layout.sum_over_ranks(sums).cpu().tolist())
+        return StepResult.from_rows(rows)
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
-        with self.core.ema_weights() if ema else contextlib.nullcontext():
-            layout, core = self.layout, self.core
-            keys, sums = metric_sums(
-                layout.module, layout.module, batches, metric_fn, core.autocast, self.device
-            )
+        layout, core = self.layout, self.core
+        forward, metric_fn = layout.evaluation(metric_fn)
+        autocast = lambda: core.autocast(cache=layout.autocast_cache)  # noqa: E731
+        with core.ema_weights() if ema else contextlib.nullcontext():
+            found = metric_sums(layout.module, forward, batches, metric_fn, autocast, self.device)
+        keys, sums = found
         return dict(zip(keys, layout.sum_over_ranks(sums).cpu().tolist(), strict=True))
 
     def checkpoint_state(self) -> dict[str, Any]:
@@ -211,15 +196,12 @@ class EagerBackend:
         if self.compiler:
             self.compiler.mark_warmup_done()
 
-    def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "compiles_after_warmup": 0,
-            "fallback_ops": {},
-            "shard": self.shard,
-            "tp_head": self.cfg.parallel.tp_head,
-            "state_bytes": self.core.measured,
+    def stats(self) -> BackendStats:
+        cuda = self.device.type == "cuda"
+        return BackendStats(
             **(self.compiler.stats() if self.compiler else {}),
-        }
-        if self.device.type == "cuda":
-            out["peak_memory_bytes"] = torch.cuda.max_memory_allocated(self.device)
-        return out
+            shard=self.shard,
+            state_bytes=self.core.measured,
+            peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
+            details={"tp_head": self.cfg.parallel.tp_head},
+        )

@@ -24,13 +24,21 @@ import numpy as np
 import torch
 
 from accel.amp import amp_policy
-from accel.backends.base import BackendUnavailable, Batch, LossFn, MetricFn, StepResult, Supports
+from accel.backends.base import (
+    BackendStats,
+    BackendUnavailable,
+    Batch,
+    LossFn,
+    MetricFn,
+    StepResult,
+    Supports,
+)
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.quiet import quiet_imports
 from accel.backends.torchax_compat import not_an_accelerator, removed_ops
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
-from accel.losses import classifier_loss, eval_sums, summarise
+from accel.losses import classifier_loss
 from accel.models.factory import ModelConfig, create_model
 from accel.optim import OptimizerSpec, param_groups, parameter_settings
 from accel.parallel import effective_shard
@@ -182,10 +190,6 @@ def attention_override(env, sdpa: Callable):
         yield
     finally:
         env._ops.update(saved)
-
-
-def forward(model: Callable, batch: tuple) -> torch.Tensor:
-    return model(*batch)
 
 
 class Objective(torch.nn.Module):
@@ -354,7 +358,6 @@ class JaxBackend:
         self.opt_state = init(self.params)
         self.objectives: dict[Callable, Callable] = {}
         self.step_fn = self._jit_step()
-        self.eval_fn = jax.jit(self._eval_sums)
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
 
     def ema_from(self, params: dict) -> dict:
@@ -476,24 +479,9 @@ class JaxBackend:
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         rows = [host_value(handle) for handle in handles]
-        return [StepResult(float(loss), bool(applied > 0)) for loss, applied in rows]
+        return StepResult.from_rows(rows)
 
     # --- evaluation ---------------------------------------------------------------------------
-    def _eval_sums(self, params, buffers, images, labels, mask):
-        logits = self.run_torch(forward, params, buffers, (images,)).astype(jnp.float32)
-        with self.env:  # the torch backends' own evaluation sums, lowered by torchax
-            return interop.jax_view(eval_sums)(logits, labels, mask)
-
-    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
-        """With `ema`, the EMA's weights (in fp32) in place of the live ones."""
-        params = self.eval_params(ema)
-        sums = jnp.zeros(4, jnp.float32)
-        with attention_override(self.env, self.sdpa), self._lowering_errors():
-            for batch in batches:
-                arrays = self._put(tuple(batch[k] for k in ("images", "labels", "mask")))
-                sums = sums + self.eval_fn(params, self.buffers, *arrays)
-        return summarise([float(x) for x in host_value(sums)])
-
     def evaluate_sums(
         self, batches: Iterable[tuple], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
@@ -569,29 +557,29 @@ class JaxBackend:
     def mark_warmup_done(self) -> None:
         self.compiles_at_warmup = self.step_fn._cache_size()
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BackendStats:
         compiled = self.step_fn._cache_size()
         after = 0 if self.compiles_at_warmup is None else compiled - self.compiles_at_warmup
         events = self.monitor.snapshot()
         spent = {k: events[k] - self.compile_events_at_start[k] for k in events}
-        return {
-            "compiles_after_warmup": after,
-            "graphs_compiled": compiled,
-            "fallback_ops": {},
-            "devices": self.local_replicas * jax.process_count(),
-            "device_kind": jax.devices()[0].device_kind,
-            "peak_memory_bytes": self.peak_memory_bytes(),
-            "shard": self.shard,
-            "state_bytes": {
+        hits = int(spent.pop("cache_hits"))
+        return BackendStats(
+            graphs_compiled=compiled,
+            compiles_after_warmup=after,
+            compile_time_s=sum(spent.values()),
+            compile_phases_s=spent,
+            persistent_cache=True,
+            persistent_cache_hits=hits,
+            devices=self.local_replicas * jax.process_count(),
+            shard=self.shard,
+            state_bytes={
                 "params": device_bytes(self.params),
                 "optimizer": device_bytes(self.opt_state),
                 "ema": device_bytes(self.ema),
             },
-            "persistent_cache": True,
-            "persistent_cache_hits": int(spent.pop("cache_hits")),
-            "compile_phases_s": spent,
-            **self.attention.stats(),
-        }
+            peak_memory_bytes=self.peak_memory_bytes(),
+            details={"device_kind": jax.devices()[0].device_kind, **self.attention.stats()},
+        )
 
     def peak_memory_bytes(self) -> int | None:
         """The device allocator's high-water mark (None where the platform keeps none: CPU)."""

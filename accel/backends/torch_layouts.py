@@ -19,10 +19,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
+from accel.backends.base import MetricFn
 from accel.backends.torch_core import TorchCore, accumulate, local_norm
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext
-from accel.losses import eval_sums, soft_target_loss
+from accel.losses import classifier_metrics, eval_sums, named_sums, soft_target_loss
 from accel.models.factory import ImageClassifier, ModelConfig, create_model
 from accel.parallel import fsdp, pipeline, tp_head
 from accel.parallel.materialize import allocate, fill_from_rank0, named_tensors
@@ -45,6 +46,7 @@ class Replicas:
 
     sharded_checkpoint = False
     masters_separate = True  # O2: fp32 masters beside a low-precision model
+    autocast_cache = True  # autocast may cache its weight casts within a forward
 
     def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
         self.cfg, self.ctx, self.device, self.amp = cfg, ctx, device, amp
@@ -102,9 +104,10 @@ class Replicas:
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         return local_norm([p.grad for p in params if p.grad is not None])
 
-    def eval_sums(self, images, labels, mask, core: TorchCore) -> torch.Tensor:
-        with core.autocast():
-            return eval_sums(self.module(images), labels, mask)
+    def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
+        """The model as evaluation calls it, and the metric to sum over it: the user's own, or
+        the command line's classifier_metrics, which a split layout computes its own way."""
+        return self.module, metric_fn
 
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
         return all_reduce(sums, group=self.dp_group)
@@ -206,9 +209,14 @@ class SplitHead(SplitLayout):
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
         return tp_head.grad_norm(params, self.head_ids, self.mesh.group)
 
-    def eval_sums(self, images, labels, mask, core: TorchCore) -> torch.Tensor:
-        with core.autocast():
-            return tp_head.eval_sums(self.module(images), labels, mask, self.head)
+    def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
+        only_classifier_metrics(metric_fn, "a split classifier")
+
+        def metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
+            images, labels, mask = batch  # the top-k from each rank's classes, no full logits
+            return named_sums(tp_head.eval_sums(model(images), labels, mask, self.head))
+
+        return self.module, metrics
 
     def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
         """The head's rows (and their AdamW moments) as DTensors of the whole classifier."""
@@ -233,6 +241,8 @@ class SplitHead(SplitLayout):
 class Pipeline(SplitLayout):
     """A ViT cut into --pp stages (dp x pp mesh), run by a torch.distributed.pipelining schedule;
     each stage's gradients are averaged over its dp group by an explicit all-reduce."""
+
+    autocast_cache = False  # see forward_backward
 
     def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
         super().__init__(cfg, ctx, device, amp)
@@ -300,12 +310,20 @@ class Pipeline(SplitLayout):
         square = local_norm([p.grad for p in params if p.grad is not None]) ** 2
         return all_reduce(square, group=self.mesh.group).sqrt()
 
-    def eval_sums(self, images, labels, mask, core: TorchCore) -> torch.Tensor:
-        with core.autocast(cache=False):
-            logits = pipeline.forward_only(self.plan, self.mesh, images, self.param_dtype)
-        if logits is None:
-            return torch.zeros(4, device=self.device)
-        return eval_sums(logits, labels, mask)
+    def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
+        only_classifier_metrics(metric_fn, "a pipeline")
+
+        def forward(images: torch.Tensor) -> torch.Tensor | None:
+            return pipeline.forward_only(self.plan, self.mesh, images, self.param_dtype)
+
+        def metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
+            images, labels, mask = batch
+            logits = model(images)  # on the last stage only; the others add zeros
+            if logits is None:
+                return named_sums(torch.zeros(4, device=self.device))
+            return named_sums(eval_sums(logits, labels, mask))
+
+        return forward, metrics
 
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
         all_reduce(sums, group=self.mesh.group)  # only the last stage holds the sums
@@ -313,6 +331,11 @@ class Pipeline(SplitLayout):
 
     def classifier(self) -> list[nn.Parameter]:
         return []
+
+
+def only_classifier_metrics(metric_fn: MetricFn, layout: str) -> None:
+    if metric_fn is not classifier_metrics:
+        raise ConfigError(f"{layout} evaluates the classifier's loss, top-1 and top-5 only")
 
 
 def make_layout(cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy, shard: str):

@@ -36,6 +36,7 @@ from torch import nn
 
 from accel.amp import amp_policy
 from accel.backends.base import (
+    BackendStats,
     BackendUnavailable,
     Batch,
     LossFn,
@@ -55,7 +56,7 @@ from accel.backends.torch_core import (
 )
 from accel.config import ConfigError, RunConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
-from accel.losses import classifier_loss, eval_sums, summarise
+from accel.losses import classifier_loss
 from accel.models.factory import ModelConfig, create_model
 from accel.optim import OptimizerSpec, param_groups, parameter_settings
 from accel.parallel import effective_shard
@@ -348,49 +349,46 @@ class XlaBackend:
         # Each handle is already materialised by its step's sync: a transfer, no new graph
         # (stacking them first would compile one per group size).
         rows = [handle.cpu().tolist() for handle in handles]
-        return [StepResult(loss, applied > 0) for loss, applied in rows]
-
-    def evaluate(self, batches: Iterable[dict], ema: bool = False) -> dict[str, float]:
-        before = compile_count()
-        try:
-            if not ema:
-                return self._evaluate(batches)
-            with self.core.ema_weights():
-                self.reshard()
-                result = self._evaluate(batches)
-            self.reshard()
-            return result
-        finally:  # evaluation's own graphs (--eval_every) are not recompiles of the step
-            if self.compiles_at_warmup is not None:
-                self.compiles_at_warmup += compile_count() - before
-
-    @torch.no_grad()
-    def _evaluate(self, batches: Iterable[dict]) -> dict[str, float]:
-        self.module.eval()
-        sums = torch.zeros(4, device=self.device)
-        for batch in batches:
-            images, labels, mask = (batch[k].to(self.device) for k in ("images", "labels", "mask"))
-            if self.spmd:
-                xs.mark_sharding(images, self.mesh, (self.axis, None, None, None))
-            with self.autocast():
-                sums += eval_sums(self.forward(images), labels, mask)
-            torch_xla.sync()
-        self.module.train()
-        sums = self.all_reduce(sums)
-        torch_xla.sync()
-        return summarise(sums.cpu().tolist())
+        return StepResult.from_rows(rows)
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
-        with self.core.ema_weights() if ema else contextlib.nullcontext():
-            keys, sums = metric_sums(
-                self.module, self.forward, batches, metric_fn, self.autocast, self.device,
-                after_batch=torch_xla.sync,
-            )  # fmt: skip
-            sums = self.all_reduce(sums)
-            torch_xla.sync()
+        before = compile_count()
+        try:
+            with self.weights(ema):
+                keys, sums = metric_sums(
+                    self.module, self.forward, map(self.on_device, batches), metric_fn,
+                    self.autocast, self.device, after_batch=torch_xla.sync,
+                )  # fmt: skip
+                sums = self.all_reduce(sums)
+                torch_xla.sync()
+        finally:  # evaluation's own graphs (--eval_every) are not recompiles of the step
+            if self.compiles_at_warmup is not None:
+                self.compiles_at_warmup += compile_count() - before
         return dict(zip(keys, sums.cpu().tolist(), strict=True))
+
+    @contextlib.contextmanager
+    def weights(self, ema: bool):
+        """The live weights, or with `ema` the EMA's in their place (sharded alike)."""
+        if not ema:
+            yield
+            return
+        with self.core.ema_weights():
+            self.reshard()
+            yield
+        self.reshard()
+
+    def on_device(self, batch: Batch) -> Batch:
+        """A host batch on the device; on a mesh, its first tensor split along the mesh's axis
+        (batches from device_batches arrive split already)."""
+        if batch[0].device.type == "xla":
+            return batch
+        batch = tuple(t.to(self.device) for t in batch)
+        if self.spmd:
+            images = batch[0]
+            xs.mark_sharding(images, self.mesh, (self.axis,) + (None,) * (images.dim() - 1))
+        return batch
 
     # --- state --------------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
@@ -455,17 +453,17 @@ class XlaBackend:
             "PT_XLA_DEBUG_LEVEL=2 prints the cause of each compile"
         )
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> BackendStats:
         compile_time = met.metric_data("CompileTime")
-        return {
-            "compiles_after_warmup": self.compiles_after_warmup(),
-            "graphs_compiled": compile_count() - self.compiles_at_start,
-            "compile_time_s": compile_time[1] / 1e9 if compile_time else 0.0,
-            "persistent_cache": self.persistent_cache,
-            "persistent_cache_hits": met.counter_value("PersistentCacheHit") or 0,
-            "fallback_ops": fallback_ops(),
-            "input_shapes": sorted(str(s[0]) for s in self.input_shapes),
-            "state_bytes": self.core.measured,
-            "devices": self.local_replicas,
-            "shard": self.shard,
-        }
+        return BackendStats(
+            graphs_compiled=compile_count() - self.compiles_at_start,
+            compiles_after_warmup=self.compiles_after_warmup(),
+            compile_time_s=compile_time[1] / 1e9 if compile_time else 0.0,
+            persistent_cache=self.persistent_cache,
+            persistent_cache_hits=met.counter_value("PersistentCacheHit") or 0,
+            fallback_ops=fallback_ops(),
+            devices=self.local_replicas,
+            shard=self.shard,
+            state_bytes=self.core.measured,
+            details={"input_shapes": sorted(str(s[0]) for s in self.input_shapes)},
+        )

@@ -3,6 +3,7 @@ the same on every backend, each run started once for the module."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -11,11 +12,13 @@ import timm
 import torch
 
 from accel.backends import create_backend
+from accel.backends.base import BackendStats
 from accel.distributed import DistContext
 from accel.export import main as export_main
 from accel.launch_single_task import main
 from accel.models.factory import ModelConfig, create_model, meta_model
 from accel.optim import parameter_settings
+from accel.run_records import Run, run_row
 from tests.helpers import HAS_XLA, launch, micro_config, read_summary, run_cli, run_python, train
 
 # Without torch_xla (make test-latest) the other three, and the xla cases skip; CI requires it.
@@ -51,6 +54,21 @@ def test_ema_agrees_with_eager_within_the_losses_tolerance(runs, backend):
     for name, value in want.items():
         torch.testing.assert_close(got[name], value, rtol=1e-3, atol=1e-4, msg=name)
     assert other["eval_loss_ema"] == pytest.approx(eager["eval_loss_ema"], rel=1e-3)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_reports_the_typed_stats_the_report_reads(runs, backend):
+    summary = runs[backend][1]
+    for name in (f.name for f in dataclasses.fields(BackendStats) if f.name != "details"):
+        assert name in summary, name
+    compiler = backend in ("xla", "jax")  # the backends that time their compiles
+    assert (summary["compile_time_s"] > 0) if compiler else summary["compile_time_s"] is None
+    assert summary["graphs_compiled"] >= (1 if backend != "eager" else 0)
+    run = Run("vit_micro", backend, "r", summary)
+    assert run_row(run)["compile_s"] == summary["compile_time_s"]
+    # One evaluation path: the command line's metric through each backend's evaluate_sums.
+    assert summary["eval_images"] > 0
+    assert summary["eval_loss"] == pytest.approx(runs["eager"][1]["eval_loss"], rel=1e-3)
 
 
 def test_the_ema_is_its_own_weights_and_is_evaluated_beside_them(runs):

@@ -13,6 +13,7 @@ from accel.checkpoint import latest_checkpoint, to_cpu
 from accel.data.config import MixupConfig
 from accel.data.loaders import build_eval_loader
 from accel.distributed import DistContext
+from accel.evaluation import evaluate_classifier
 from accel.train import Trainer
 from tests.helpers import micro_config, read_summary, run_cli, run_cli_without
 
@@ -63,7 +64,7 @@ def test_two_forced_host_devices_train_with_mixup_without_recompiles(tmp_path, m
 
 def _eval_loss(backend, cfg) -> float:
     loader = build_eval_loader(cfg.data, 32, cfg.batch_size, (0, 1), cfg.seed, 10)
-    return backend.evaluate(loader)["eval_loss"]
+    return evaluate_classifier(backend, loader)["eval_loss"]
 
 
 def test_checkpoints_cross_between_jax_and_eager(tmp_path):
