@@ -22,7 +22,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -346,50 +346,124 @@ def resume_mismatches(saved: RunConfig, current: RunConfig, saved_world: int, wo
     return found
 
 
-@dataclass
-class Saved:
-    """What `CheckpointManager.load` read besides the tensors."""
-
-    path: Path
-    loop: dict[str, Any]
-    rng: dict[str, torch.Tensor] | None  # this rank's states, where the checkpoint has them
-
-
 def saved_config(meta: dict[str, Any]) -> RunConfig:
     return from_dict(RunConfig, json.loads(meta["config"]))
 
 
-class CheckpointManager:
-    """Saves and loads a run's checkpoints: the backend's tensors, the loop's position, every
-    rank's random states and the config that must match to resume."""
+# --- the parts of a checkpoint, and writing and reading them ---------------------------------
+class Stateful(Protocol):
+    """One part of a checkpoint (as torch.distributed.checkpoint's Stateful)."""
 
-    def __init__(self, cfg: RunConfig, is_main: bool, rank: int, backend: Any, data_world: int):
-        self.cfg, self.is_main, self.rank, self.backend = cfg, is_main, rank, backend
-        self.run_dir = cfg.run_dir()
-        self.data_world = data_world  # data-parallel replicas: what orders the data
+    def state_dict(self) -> dict[str, Any]: ...
 
-    def _rng(self) -> dict[str, torch.Tensor]:
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class BackendTensors:
+    """The backend's model, optimizer and EMA, by the model's parameter names."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.backend.checkpoint_state()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.backend.load_checkpoint_state(state)
+
+
+class RandomStates:
+    """This process's random generators: the host's, and the backend's device ones."""
+
+    def __init__(self, backend: Any):
+        self.backend = backend
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
         return rng_states(self.backend)
 
-    def save(self, step: int, loop: dict[str, Any]) -> Path:
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        restore_rng_states(state, self.backend)
+
+
+@dataclass
+class CheckpointParts:
+    """What a checkpoint holds, part by part; the command line and the public API save the
+    same parts (their loop states differ) through save_checkpoint and load_checkpoint."""
+
+    tensors: Stateful  # `state`: whole tensors from rank 0, or each rank's own (DCP)
+    loop: Stateful  # where training stands, in numbers and lists: the meta's `loop`
+    rng: Stateful  # each rank's random states: all gathered into the meta, or each rank's own
+
+
+def save_checkpoint(
+    final: Path, parts: CheckpointParts, meta: dict[str, Any], main: bool, rank: int, sharded: bool
+) -> None:
+    """Called on every rank: one file from rank 0, or a folder each rank writes its part of."""
+    meta = {**meta, "loop": parts.loop.state_dict()}
+    if sharded:
+        state = {**parts.tensors.state_dict(), "rng": {f"rank{rank}": parts.rng.state_dict()}}
+        write_folder(final, state, meta, main)
+        return
+    rngs = gather_rng(parts.rng.state_dict())
+    if main:
+        state = to_cpu(parts.tensors.state_dict())
+        write_file(final, {"format": FORMAT, "meta": {**meta, "rng": rngs}, "state": state})
+
+
+def load_checkpoint(
+    path: Path, parts: CheckpointParts, meta: dict[str, Any], rank: int, rng: bool = True
+) -> None:
+    """Load each part from a file or folder checkpoint (into any layout); the random states
+    only with `rng` (the same replicas as the saved run's), and where it holds them."""
+    try:
+        template = load_state(path, parts.tensors.state_dict())
+    except KeyError as err:
+        raise CheckpointError(f"{path} holds no tensor {err} of this model") from None
+    parts.tensors.load_state_dict(template)
+    parts.loop.load_state_dict(meta["loop"])
+    states = saved_rng(path, meta, rank, parts.rng) if rng else None
+    if states is not None:
+        parts.rng.load_state_dict(states)
+
+
+def saved_rng(path: Path, meta: dict, rank: int, current: Stateful) -> dict | None:
+    """This rank's saved generator states (the first rank's where it has none of its own)."""
+    if "rng" in meta:
+        states = meta["rng"]
+        return states[min(rank, len(states) - 1)] if states else None
+    key = f"rng.rank{rank}."
+    names = {k[len(key) :] for k in sharded_keys(path) if k.startswith(key)}
+    if not names:
+        return None
+    mine = current.state_dict()
+    template = {"rng": {f"rank{rank}": {n: torch.empty_like(mine[n]) for n in names}}}
+    load_sharded(path, template)
+    return template["rng"][f"rank{rank}"]
+
+
+class CheckpointManager:
+    """A run's checkpoints: its parts saved every --save_every steps and at the end, the newest
+    --keep_checkpoints kept, and --resume's checked against the run's config first."""
+
+    def __init__(
+        self, cfg: RunConfig, is_main: bool, rank: int, parts: CheckpointParts, sharded: bool,
+        data_world: int,
+    ):  # fmt: skip
+        self.cfg, self.is_main, self.rank, self.parts = cfg, is_main, rank, parts
+        self.sharded, self.run_dir = sharded, cfg.run_dir()
+        self.data_world = data_world  # data-parallel replicas: what orders the data
+
+    def save(self, step: int) -> Path:
         """Called on every rank."""
-        meta = {"loop": loop, "config": self.cfg.to_json(), "world_size": self.data_world}
-        kind = "dcp" if self.backend.sharded_checkpoint else "pt"
-        final = checkpoint_dir(self.run_dir) / f"step_{step:08d}.{kind}"
-        if self.backend.sharded_checkpoint:
-            state = {**self.backend.checkpoint_state(), "rng": {f"rank{self.rank}": self._rng()}}
-            write_folder(final, state, meta, self.is_main)
-        else:
-            rngs = gather_rng(self._rng())
-            if self.is_main:
-                state = to_cpu(self.backend.checkpoint_state())
-                write_file(final, {"format": FORMAT, "meta": {**meta, "rng": rngs}, "state": state})
+        meta = {"config": self.cfg.to_json(), "world_size": self.data_world}
+        final = checkpoint_dir(self.run_dir) / f"step_{step:08d}.{'dcp' if self.sharded else 'pt'}"
+        save_checkpoint(final, self.parts, meta, self.is_main, self.rank, self.sharded)
         if self.is_main:
             prune(self.run_dir, self.cfg.keep_checkpoints)
         return final
 
-    def load(self, path: Path) -> Saved:
-        """Check the checkpoint fits this run, then load it into the backend."""
+    def load(self, path: Path) -> None:
+        """Check the checkpoint fits this run, then load every part."""
         path = Path(path)
         meta = read_meta(path)
         problems = []
@@ -407,26 +481,7 @@ class CheckpointManager:
                 "resharded; the data order differs from the saved run's",
                 stacklevel=2,
             )
-        template = load_state(path, self.backend.checkpoint_state())
-        self.backend.load_checkpoint_state(template)
-        return Saved(path, meta["loop"], self._saved_rng(path, meta, bool(other_world)))
-
-    def _saved_rng(self, path: Path, meta: dict, other_world: bool) -> dict | None:
-        """This rank's saved generator states (the first rank's where it has none)."""
-        if other_world:
-            return None
-        if "rng" in meta:
-            states = meta["rng"]
-            return states[min(self.rank, len(states) - 1)] if states else None
-        key = f"rng.rank{self.rank}."
-        names = [k[len(key) :] for k in sharded_keys(path) if k.startswith(key)]
-        if not names:
-            return None
-        template = {"rng": {f"rank{self.rank}": {n: torch.empty(0) for n in names}}}
-        mine = self._rng()
-        template["rng"][f"rank{self.rank}"] = {n: torch.empty_like(mine[n]) for n in names}
-        load_sharded(path, template)
-        return template["rng"][f"rank{self.rank}"]
+        load_checkpoint(path, self.parts, meta, self.rank, rng=not other_world)
 
     def resume_path(self) -> Path | None:
         """--resume's checkpoint: a path, the newest of this run ('auto'), or none."""

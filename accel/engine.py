@@ -36,15 +36,12 @@ from torch.utils.data import DataLoader, DistributedSampler
 from accel.backends import backend_module, refusals
 from accel.backends.base import Backend, BackendUnavailable, LossFn, MetricFn, StepResult
 from accel.checkpoint import (
-    FORMAT,
-    CheckpointError,
-    gather_rng,
-    load_state,
+    BackendTensors,
+    CheckpointParts,
+    RandomStates,
+    load_checkpoint,
     read_meta,
-    restore_rng_states,
-    rng_states,
-    to_cpu,
-    write_file,
+    save_checkpoint,
 )
 from accel.config import (
     AMP_LEVELS,
@@ -230,6 +227,13 @@ class Engine:
         return self.runner.evaluate_sums(self.loader(batches), metric_fn, ema)
 
     # --- checkpoints: the command line's format, tensors only ------------------------------------
+    def checkpoint_parts(self) -> CheckpointParts:
+        """What save and load write and read: the command line's parts, with a loop state of
+        the step count alone."""
+        return CheckpointParts(
+            BackendTensors(self.runner), StepCount(self), RandomStates(self.runner)
+        )
+
     def save(self, path: str | Path) -> Path:
         """Weights, optimizer state (by parameter name), EMA, step count and random states, in
         the command line's format: it loads on any backend, and `launch_single_task --resume`
@@ -237,12 +241,8 @@ class Engine:
         if self.runner.sharded_checkpoint:
             raise AccelError("save: sharded layouts save through the command line")
         path = Path(path)
-        rngs = gather_rng(rng_states(self.runner))
-        if self.ctx.is_main:
-            meta = {"loop": {"step": self.steps_done}, "world_size": self.replicas, "rng": rngs}
-            state = to_cpu(self.runner.checkpoint_state())
-            path.parent.mkdir(parents=True, exist_ok=True)
-            write_file(path, {"format": FORMAT, "meta": meta, "state": state})
+        meta = {"world_size": self.replicas}
+        save_checkpoint(path, self.checkpoint_parts(), meta, self.ctx.is_main, self.rank, False)
         return path
 
     def load(self, path: str | Path) -> None:
@@ -250,15 +250,21 @@ class Engine:
         unpickling anything but tensors."""
         path = Path(path)
         meta = read_meta(path)
-        try:
-            template = load_state(path, self.runner.checkpoint_state())
-        except KeyError as err:
-            raise CheckpointError(f"{path} holds no tensor {err} of this model") from None
-        self.runner.load_checkpoint_state(template)
-        self.steps_done = int(meta["loop"]["step"])
-        states = meta.get("rng") or []
-        if states and meta.get("world_size") == self.replicas:
-            restore_rng_states(states[min(self.rank, len(states) - 1)], self.runner)
+        same_replicas = meta.get("world_size") == self.replicas  # the random streams carry on
+        load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=same_replicas)
+
+
+class StepCount:
+    """An Engine's loop state, as a checkpoint part: the optimizer steps taken."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.engine.steps_done}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.engine.steps_done = int(state["step"])
 
 
 def check_sharded(batches: Iterable, ranks: int) -> None:

@@ -18,9 +18,11 @@ from tqdm import tqdm
 
 from accel.backends import Backend, create_backend
 from accel.checkpoint import (
+    BackendTensors,
     CheckpointManager,
+    CheckpointParts,
+    RandomStates,
     remove_stale_temporaries,
-    restore_rng_states,
     storage_error,
 )
 from accel.config import ConfigError, RunConfig
@@ -45,6 +47,9 @@ from accel.versions import stack
 
 @dataclass
 class LoopState:
+    """Where training stands: a checkpoint part, loaded in place (the evaluator and the skip
+    tracker hold this object)."""
+
     step: int = 0  # optimizer steps done
     epoch: int = 0
     batch_in_epoch: int = 0  # loader batches consumed in the current epoch
@@ -52,6 +57,15 @@ class LoopState:
     skipped: list[str] = field(default_factory=list)  # unreadable images
     nonfinite_steps: list[int] = field(default_factory=list)  # steps whose update was skipped
     evals: list[dict] = field(default_factory=list)  # --eval_every's results, by epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A checkpoint's loop state (the public API's holds the step alone)."""
+        saved = LoopState(**state)
+        for f in dataclasses.fields(self):
+            setattr(self, f.name, getattr(saved, f.name))
 
 
 @dataclass
@@ -104,8 +118,7 @@ class SkipTracker:
         self.restore(state)
 
     def restore(self, state: LoopState) -> None:
-        """Record into `state` from now on (a resumed run's), which has seen its own skips. The
-        tracker stays the same object: the evaluator holds its `track`."""
+        """Record into `state`, whose skips (a resumed run's, loaded into it) count as seen."""
         self.seen, self.state = set(state.skipped), state
 
     def add(self, paths: Iterable[str]) -> None:
@@ -180,7 +193,11 @@ class Trainer:
         self.ema_decay = EmaDecay(cfg.optim) if cfg.optim.model_ema else None
         self.state = LoopState()
         world = self.data_ranks * self.backend.local_replicas
-        self.checkpoints = CheckpointManager(cfg, ctx.is_main, ctx.rank, self.backend, world)
+        parts = CheckpointParts(
+            BackendTensors(self.backend), self.state, RandomStates(self.backend)
+        )
+        sharded = self.backend.sharded_checkpoint
+        self.checkpoints = CheckpointManager(cfg, ctx.is_main, ctx.rank, parts, sharded, world)
         self.pending: list[tuple[int, Any, float]] = []
         self.stopping = False  # a signal asked to stop, and the ranks agreed
         self.nonfinite_stop: int | None = None  # the step that stops the run (--nan_policy stop)
@@ -203,16 +220,13 @@ class Trainer:
             if self.cfg.resume == "auto":
                 self.logger.info("--resume auto: no checkpoint yet, starting fresh")
             return
-        saved = self.checkpoints.load(path)
-        self.state = LoopState(**saved.loop)
+        self.checkpoints.load(path)  # the loop state in place, for those who hold it
         self.tracker.restore(self.state)
-        if saved.rng is not None:
-            restore_rng_states(saved.rng, self.backend)
         self.logger.info(f"resumed from {path} at step {self.state.step}")
 
     def save(self) -> None:
         self.flush()
-        path = self.checkpoints.save(self.state.step, dataclasses.asdict(self.state))
+        path = self.checkpoints.save(self.state.step)
         if self.ctx.is_main:
             self.logger.info(f"checkpoint {path}")
         self.timer.restart_group()  # the write is not a step's time
