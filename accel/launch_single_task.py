@@ -18,10 +18,11 @@ from pathlib import Path
 
 START = time.perf_counter()  # before the heavy imports below: time_to_first_step counts them
 
-from accel.backends.base import BackendUnavailable, RecompileError  # noqa: E402
+from accel.backends import backend_module  # noqa: E402
+from accel.backends.base import BackendModule, BackendUnavailable, RecompileError  # noqa: E402
 from accel.checkpoint import flatten  # noqa: E402
 from accel.cli import build_parser, config_from_args  # noqa: E402
-from accel.config import ConfigError, RunConfig  # noqa: E402
+from accel.config import ConfigError, RunConfig, from_dict  # noqa: E402
 from accel.data.augment import AugmentError  # noqa: E402
 from accel.data.folder import BadImageError, DatasetError  # noqa: E402
 from accel.data.lifetime import exit_with_parent  # noqa: E402
@@ -51,6 +52,7 @@ EXIT_RECOMPILES = 3
 EXIT_NONFINITE = 4
 EXIT_CODES = {EXIT_USER_ERROR, EXIT_RECOMPILES, EXIT_NONFINITE}
 SPAWNED = "ACCEL_SPAWNED"  # set for the ranks this launcher starts
+RESOLVED = "ACCEL_RESOLVED_CONFIG"  # the launcher's resolved config (JSON), for those ranks
 
 
 def job_exit_code(failures: dict[int, object]) -> tuple[int, list[int]]:
@@ -125,6 +127,7 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
         *("--backend", str(cfg.backend), "--run_name", cfg.run_name),
     ]
     os.environ[SPAWNED] = "1"  # the ranks leave the launcher's lines to the launcher
+    os.environ[RESOLVED] = cfg.to_json()  # inherited by the ranks alone
     quiet_exit_barrier()
     try:
         torchrun(args)
@@ -136,6 +139,8 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
     except (RendezvousError, DistError, TimeoutError) as err:
         error(rendezvous_failure(cfg, err))
         return EXIT_USER_ERROR
+    finally:
+        os.environ.pop(RESOLVED, None)
     return 0
 
 
@@ -162,6 +167,17 @@ def train_here(cfg: RunConfig, ctx: DistContext, torch_ranks: bool) -> None:
         destroy_process_group()
 
 
+def settled(cfg: RunConfig) -> tuple[RunConfig, BackendModule, list[str]]:
+    """The checked, settled config: resolved once, by the launcher; the ranks it starts take
+    its result (checking the data, the model and the memory again on every rank would only
+    repeat the work, and a rank could settle differently: a run name, a default)."""
+    given = os.environ.get(RESOLVED) if launched_by_torchrun() else None
+    if given is None:  # the launcher, or a rank torchrun started without it
+        return resolve(cfg, dict(os.environ))
+    resolved = from_dict(RunConfig, json.loads(given))
+    return resolved, backend_module(resolved.backend), []
+
+
 def run(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.backends:
@@ -177,7 +193,7 @@ def run(argv: list[str]) -> int:
         return run_comparison(argv, backends, cfg.model.name, cfg.output)
     if launched_by_torchrun():
         exit_with_parent()  # a rank never outlives the launcher that started it
-    cfg, module, notes = resolve(cfg, dict(os.environ))
+    cfg, module, notes = settled(cfg)
     ctx = module.context(cfg)
     speaks = ctx.is_main and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
     for note in notes if speaks else ():

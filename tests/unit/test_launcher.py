@@ -1,12 +1,15 @@
 """The launcher's exit code for a multi-process job: the code of the first rank that failed on
 its own, never one the launcher caused by stopping the others (torch >= 2.15's elastic agent
-reports the stopped peers too, with the signal as a negative code)."""
+reports the stopped peers too, with the signal as a negative code). The ranks it starts take
+its resolved config."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 
-from accel.launch_single_task import job_exit_code
+from accel.launch_single_task import RESOLVED, job_exit_code, settled
+from tests.helpers import micro_config
 
 
 def _failures(*ranks: tuple[int, int]) -> dict:
@@ -30,3 +33,15 @@ def _failures(*ranks: tuple[int, int]) -> dict:
 def test_the_first_rank_to_fail_on_its_own_decides(ranks, code, first):
     got, order = job_exit_code(_failures(*ranks))
     assert got == code and order[0] == first
+
+
+def test_the_ranks_take_the_config_the_launcher_resolved(monkeypatch, tmp_path):
+    given = micro_config(tmp_path, run_name=None, steps=None)  # left open: resolve settles it
+    resolved = dataclasses.replace(micro_config(tmp_path), run_name="launcher", epochs=7)
+    monkeypatch.setenv(RESOLVED, resolved.to_json())
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job")  # a rank torchrun started
+    cfg, module, notes = settled(given)
+    assert cfg == resolved and module.__name__ == "accel.backends.eager" and notes == []
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID")  # the launcher itself resolves, whatever is set
+    cfg, _, notes = settled(given)
+    assert cfg.run_name not in (None, "launcher") and cfg.epochs == 1 and notes
