@@ -26,8 +26,10 @@ def documented(prefix: str) -> list[str]:
     return sorted(set(found))
 
 
-def run(command: str, tmp_path) -> dict:
-    """Run a documented command verbatim (its output folder under tmp_path); its losses.json."""
+def run(command: str, tmp_path, port: int | None = None) -> dict:
+    """Run a documented command verbatim (its output folder under tmp_path); its losses.json.
+    torchrun's rendezvous takes `port` through its environment (PET_MASTER_PORT), so the
+    command stays as documented and two suites on one machine do not share torchrun's 29500."""
     words = shlex.split(command, comments=True)
     # On a CPU: XLA's and JAX's host platforms, with two devices for the commands that ask.
     env = {"PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
@@ -41,9 +43,9 @@ def run(command: str, tmp_path) -> dict:
         done = run_script(words[1], *words[2:], env=env)
     else:  # torchrun: this venv's
         words[0] = os.path.join(os.path.dirname(sys.executable), words[0])
-        env = {**os.environ, **env}
+        env = {**os.environ, **env, **({"PET_MASTER_PORT": str(port)} if port else {})}
         done = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, f"{command}\n{done.stderr[-3000:]}"
+    assert done.returncode == 0, f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
     return json.loads((out / "losses.json").read_text())
 
 
@@ -110,9 +112,9 @@ def test_a_script_beside_its_own_models_and_data_imports_its_own(tmp_path):
     assert done.stdout.split() == ["the", "user", "(models)", "the", "user", "(data)", "eager"]
 
 
-def test_the_classic_loop_runs_under_torchrun_as_documented(tmp_path):
+def test_the_classic_loop_runs_under_torchrun_as_documented(tmp_path, free_port):
     (command,) = documented("torchrun --nproc_per_node 2 examples/classic_loop_accel.py")
-    result = run(command, tmp_path)
+    result = run(command, tmp_path, port=free_port())
     assert result["backend"] == "eager"
     assert result["losses"][-1] < result["losses"][0]
 
