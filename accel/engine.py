@@ -46,6 +46,7 @@ from accel.checkpoint import (
 from accel.config import (
     AMP_LEVELS,
     BACKENDS,
+    SHARD_MODES,
     CompilerConfig,
     ConfigError,
     OptimConfig,
@@ -96,6 +97,7 @@ def prepare(
     ema: float | None = None,
     backend: str | None = None,
     devices: int | None = None,
+    shard: str = "none",
     seed: int = 0,
     quiet: bool = False,
 ) -> Engine:
@@ -116,6 +118,11 @@ def prepare(
     backend: eager, compile, xla or jax (default: ACCEL_BACKEND, USE_ACCEL, else eager).
     devices: devices one process drives (xla's SPMD mesh, jax's local devices; default:
         ACCEL_DEVICES, else 1); under torchrun (eager, compile) each process is one replica.
+    shard: "none" (every replica holds the whole model and optimizer state); "full" splits
+        weights, gradients and optimizer state over the replicas (FSDP2 per block on eager and
+        compile, FSDPv2 on an xla mesh, sharded arrays on jax devices); "grad_op" (eager,
+        compile, jax) splits the gradients and optimizer state and keeps each unit's gathered
+        weights from the forward to the backward. With one replica there is nothing to split.
     seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
     quiet: say nothing at start (default: one line naming the backend and why).
     """
@@ -134,6 +141,8 @@ def prepare(
         devices = env_int("ACCEL_DEVICES", 1)
     if accum < 1 or devices < 1:
         raise AccelError("accum and devices must be at least 1")
+    if shard not in SHARD_MODES:
+        raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{shard}'")
     cfg = RunConfig(
         backend=name,
         amp_level=amp,
@@ -145,7 +154,7 @@ def prepare(
             model_ema=ema is not None,
             model_ema_decay=ema if ema is not None else 0.9998,
         ),
-        parallel=ParallelConfig(nproc_per_node=devices),
+        parallel=ParallelConfig(nproc_per_node=devices, shard=shard),
         compiler=CompilerConfig(compile_cache=str(cache_dir(name))),
     )
     problems = refusals(cfg, module.SUPPORTS)  # what this backend cannot run (e.g. float16)
@@ -236,13 +245,14 @@ class Engine:
 
     def save(self, path: str | Path) -> Path:
         """Weights, optimizer state (by parameter name), EMA, step count and random states, in
-        the command line's format: it loads on any backend, and `launch_single_task --resume`
-        takes it. Written by rank 0, atomically; call it on every rank."""
-        if self.runner.sharded_checkpoint:
-            raise AccelError("save: sharded layouts save through the command line")
+        the command line's format: it loads on any backend and layout, and `launch_single_task
+        --resume` takes it. Call it on every rank. One file written by rank 0, atomically; under
+        torchrun with `shard`, a folder (torch.distributed.checkpoint) each rank writes its
+        shards to, so no rank ever holds the whole state."""
         path = Path(path)
         meta = {"world_size": self.replicas}
-        save_checkpoint(path, self.checkpoint_parts(), meta, self.ctx.is_main, self.rank, False)
+        sharded = self.runner.sharded_checkpoint
+        save_checkpoint(path, self.checkpoint_parts(), meta, self.ctx.is_main, self.rank, sharded)
         return path
 
     def load(self, path: str | Path) -> None:

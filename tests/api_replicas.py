@@ -1,8 +1,10 @@
 """A user's script on several replicas, for the public API's tests: each replica trains on its
 part of the same global batches; writes the losses and final weights to OUT.
 
-    python -m tests.api_replicas BACKEND DEVICES OUT          (one process, DEVICES devices)
-    torchrun --nproc_per_node 2 -m tests.api_replicas eager 1 OUT
+    python -m tests.api_replicas BACKEND DEVICES OUT [SHARD]  (one process, DEVICES devices)
+    torchrun --nproc_per_node 2 -m tests.api_replicas eager 1 OUT [SHARD]
+
+It saves its checkpoint through the API to OUT/checkpoint (a folder when sharded over ranks).
 """
 
 import json
@@ -10,6 +12,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import accel
 from tests.helpers import Net, api_loss_fn, colour_batches, grouped
@@ -17,21 +20,32 @@ from tests.helpers import Net, api_loss_fn, colour_batches, grouped
 
 def main() -> None:
     backend, devices, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
+    shard = sys.argv[4] if len(sys.argv) > 4 else "none"
     torch.manual_seed(0)
     model = Net()
     engine = accel.prepare(
         model, grouped(model, "adamw"), api_loss_fn, backend=backend, devices=devices,
-        clip_grad=1.0, quiet=True,
+        clip_grad=1.0, shard=shard, quiet=True,
     )  # fmt: skip
     rank, ranks = engine.rank, engine.replicas // devices  # processes split the data
     part = 16 // ranks
     mine = [tuple(t[rank * part : (rank + 1) * part] for t in b) for b in colour_batches(4)]
     losses = [r.loss for r in engine.fetch([engine.step(*b) for b in engine.loader(mine)])]
     state = engine.runner.checkpoint_state()["model"]
+    state = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in state.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    engine.save(out / "checkpoint")
     if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
         weights = {n: t.float().flatten()[:4].tolist() for n, t in state.items()}
-        (out / "result.json").write_text(json.dumps({"losses": losses, "weights": weights}))
+        stats = engine.runner.stats()
+        split = {"shard": stats.shard, "state_bytes": stats.state_bytes}
+        if backend == "xla":  # its state bytes are whole tensors': the params' own sharding
+            import torch_xla
+
+            specs = [torch_xla._XLAC._get_xla_sharding_spec(p) for p in model.parameters()]
+            split["xla_shardings"] = specs
+        record = {"losses": losses, "weights": weights, **split}
+        (out / "result.json").write_text(json.dumps(record))
 
 
 if __name__ == "__main__":

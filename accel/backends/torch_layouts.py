@@ -134,8 +134,9 @@ class SplitLayout(Replicas):
 
     def adopt(self, model: nn.Module) -> list[nn.Module]:
         raise ConfigError(
-            f"{type(self).__name__.lower()}: a model built outside accel trains replicated "
-            "(shard='none'); split layouts build their model through the command line"
+            f"{type(self).__name__.lower()}: a model built outside accel trains replicated or "
+            "sharded (shard=); the split head and the pipeline build their model through the "
+            "command line"
         )
 
     def materialize(self, model_cfg: ModelConfig, split: Callable[[ImageClassifier], list]) -> list:
@@ -159,6 +160,17 @@ class Shards(SplitLayout):
     @property
     def param_dtype(self) -> torch.dtype:
         return torch.float32 if self.amp.master_weights else self.amp.param_dtype
+
+    def adopt(self, model: nn.Module) -> list[nn.Module]:
+        """A model built elsewhere (the public API's): rank 0's values on every rank, as DDP
+        would broadcast them, then split by FSDP2, each rank keeping its shards."""
+        model = model.to(self.device, dtype=self.param_dtype)
+        with torch.no_grad():
+            for tensor in model.state_dict().values():
+                dist.broadcast(tensor, src=0)
+        fsdp.apply_fsdp(model, self.cfg.parallel.shard, self.amp, self.device.type)
+        self.module = self.forward = model
+        return [model]
 
     def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
         def split(whole: ImageClassifier) -> list[nn.Module]:

@@ -264,3 +264,15 @@ def test_what_a_backend_does_not_support_is_refused_before_it_starts():
     with pytest.raises(accel.AccelError, match="--amp_dtype float16 is not supported by the jax"):
         accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="jax", amp="O1",
                       amp_dtype="float16", quiet=True)  # fmt: skip
+
+
+def test_a_shard_mode_the_backend_lacks_is_refused_in_one_line():
+    model = Net()
+    with pytest.raises(
+        accel.AccelError, match="shard must be one of none, full, grad_op, got 'half'"
+    ):
+        accel.prepare(model, grouped(model, "sgd"), loss_fn, shard="half", quiet=True)
+    if HAS_XLA:  # FSDPv2 splits the weights too: xla has no grad_op
+        with pytest.raises(accel.AccelError, match="--shard grad_op is not supported by the xla"):
+            accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="xla", shard="grad_op",
+                          quiet=True)  # fmt: skip

@@ -1,14 +1,18 @@
 """The public API over several replicas equals one replica on the same global batch: eager under
-torchrun with 2 processes (gloo), an xla SPMD mesh of 2 devices, jax over 2 devices."""
+torchrun with 2 processes (gloo), an xla SPMD mesh of 2 devices, jax over 2 devices; each
+replicated and sharded (shard="full"), whose checkpoint loads into one replica."""
 
 import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from tests.helpers import HAS_XLA, ROOT
+import accel
+from tests.helpers import HAS_XLA, ROOT, Net, api_loss_fn
 
 pytestmark = pytest.mark.slow
 SCRIPT = ("-m", "tests.api_replicas")
@@ -35,16 +39,53 @@ def close(a: dict, b: dict, tolerance: float) -> None:
         assert values == pytest.approx(b["weights"][name], abs=tolerance), name
 
 
-def test_two_processes_under_torchrun_equal_one(one_replica, tmp_path):
+def loaded_weights(checkpoint: Path, backend: str) -> dict:
+    """The checkpoint loaded through the API into one replica of `backend`, in this process."""
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    engine = accel.prepare(model, optimizer, api_loss_fn, backend=backend, quiet=True)
+    engine.load(checkpoint)
+    state = engine.runner.checkpoint_state()["model"]
+    return {n: t.float().flatten()[:4].tolist() for n, t in state.items()}
+
+
+@pytest.mark.parametrize("shard", ["none", "full"])
+def test_two_processes_under_torchrun_equal_one(one_replica, tmp_path, shard):
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd = [*torchrun, "--nproc_per_node", "2", *SCRIPT, "eager", "1", str(tmp_path)]
-    close(run(cmd, tmp_path), one_replica, 1e-6)
+    cmd = [*torchrun, "--nproc_per_node", "2", *SCRIPT, "eager", "1", str(tmp_path), shard]
+    result = run(cmd, tmp_path)
+    close(result, one_replica, 1e-6)
+    checkpoint = tmp_path / "checkpoint"
+    if shard == "full":  # FSDP2: each rank holds about half the state, and writes its half
+        assert result["shard"] == "full"
+        for part in ("params", "optimizer"):
+            assert result["state_bytes"][part] < 0.6 * one_replica["state_bytes"][part], part
+        assert sorted(p.name for p in checkpoint.glob("*.distcp")) == [
+            "__0_0.distcp",
+            "__1_0.distcp",
+        ]
+    weights = loaded_weights(checkpoint, "eager")
+    for name, values in result["weights"].items():
+        assert weights[name] == pytest.approx(values, abs=1e-7), name
 
 
+@pytest.mark.parametrize("shard", ["none", "full"])
 @pytest.mark.parametrize("backend", ["xla", "jax"])
-def test_two_devices_of_one_process_equal_one_replica(one_replica, tmp_path, backend):
+def test_two_devices_of_one_process_equal_one_replica(one_replica, tmp_path, backend, shard):
     if backend == "xla" and not HAS_XLA:
         pytest.skip("torch_xla is not installed")
     env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PJRT_DEVICE": "CPU"}
-    cmd = [sys.executable, *SCRIPT, backend, "2", str(tmp_path)]
-    close(run(cmd, tmp_path, env), one_replica, 1e-5)
+    cmd = [sys.executable, *SCRIPT, backend, "2", str(tmp_path), shard]
+    result = run(cmd, tmp_path, env)
+    close(result, one_replica, 1e-5)
+    assert result["shard"] == shard
+    if shard == "full" and backend == "jax":  # the weights and moments split over the devices
+        for part in ("params", "optimizer"):
+            assert result["state_bytes"][part] < 0.6 * one_replica["state_bytes"][part], part
+    if backend == "xla":  # FSDPv2: every weight split over the mesh's 2 devices, or none
+        split = [spec.startswith("{devices=") for spec in result["xla_shardings"]]
+        assert split == [shard == "full"] * len(split)
+    if shard == "full":  # one file from the one process, which loads into one eager replica
+        weights = loaded_weights(tmp_path / "checkpoint", "eager")
+        for name, values in result["weights"].items():
+            assert weights[name] == pytest.approx(values, abs=1e-6), name
