@@ -162,8 +162,9 @@ class EagerBackend:
         forward, metric_fn = layout.evaluation(metric_fn)
         autocast = lambda: core.autocast(cache=layout.autocast_cache)  # noqa: E731
         with core.ema_weights() if ema else contextlib.nullcontext():
-            found = metric_sums(layout.module, forward, batches, metric_fn, autocast, self.device)
-        keys, sums = found
+            keys, sums = metric_sums(
+                layout.module, forward, batches, metric_fn, autocast, self.device
+            )
         return dict(zip(keys, layout.sum_over_ranks(sums).cpu().tolist(), strict=True))
 
     def checkpoint_state(self) -> dict[str, Any]:
