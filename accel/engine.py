@@ -25,9 +25,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -170,14 +171,31 @@ def prepare(
 
 
 class Engine:
-    """A model, optimizer and loss on one backend. Made by `accel.prepare`."""
+    """A model, optimizer and loss on one backend. Made by `accel.prepare`; the command line's
+    Trainer holds one too, over the backend it set up (its timm model, param groups, soft-target
+    loss, and the split head or pipeline stages where asked)."""
 
     def __init__(
-        self, backend: Backend, ctx: DistContext, rates: LearningRates, accum: int, ema: float
+        self,
+        backend: Backend,
+        ctx: DistContext,
+        rates: Callable[[int], float | list[float]],
+        accum: int = 1,
+        ema: float | Callable[[int], float] = 0.0,
+        state: LoopPart | None = None,
     ):
+        """`rates`: the learning rate(s) of an optimizer step, by the steps done before it.
+        `ema`: the EMA decay (0: none), or a function of the steps done, this one included.
+        `state`: the loop state checkpoints carry, holding the step count (`state.step`)."""
         self.runner, self.ctx, self.rates = backend, ctx, rates
-        self.accum, self.ema_decay = accum, ema
-        self.steps_done = 0  # optimizer steps taken (skipped non-finite ones included)
+        self.accum, self.ema = accum, ema
+        self.state = StepCount() if state is None else state
+        self.lr: float | list[float] = 0.0  # the rate(s) the last step took
+
+    @property
+    def steps_done(self) -> int:
+        """Optimizer steps taken (skipped non-finite ones included)."""
+        return self.state.step
 
     @property
     def backend(self) -> str:
@@ -206,12 +224,19 @@ class Engine:
         handle that stays on the device until `fetch`."""
         if len(batch) == 1 and isinstance(batch[0], tuple | list):
             batch = tuple(batch[0])
-        lrs = self.rates(self.steps_done)
+        return self.step_micro_batches(self.micro_batches(batch))
+
+    def step_micro_batches(self, micro_batches: list[Any]) -> Any:
+        """One optimizer step over batches already split for gradient accumulation (device
+        batches from `loader`, as the command line's loop reads them); a handle, as `step`."""
+        done = self.state.step
+        self.lr = self.rates(done)
+        decay = self.ema(done + 1) if callable(self.ema) else self.ema
         try:
-            handle = self.runner.train_step(self.micro_batches(batch), lrs, self.ema_decay)
+            handle = self.runner.train_step(micro_batches, self.lr, decay)
         except BackendUnavailable as err:  # an op the backend cannot lower: one line
             raise AccelError(str(err)) from None
-        self.steps_done += 1
+        self.state.step = done + 1
         return handle
 
     def micro_batches(self, batch: tuple) -> list[tuple]:
@@ -233,15 +258,19 @@ class Engine:
         """Sums of `metric_fn(model, batch)` ({name: tensor}) over the batches and the ranks,
         on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
         of them)."""
-        return self.runner.evaluate_sums(self.loader(batches), metric_fn, ema)
+        check_sharded(batches, self.runner.data_parallel[1])
+        return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
+
+    def any_rank(self, flag: bool) -> bool:
+        """Whether `flag` is set on any rank; every rank gets the same answer (a collective:
+        call it on every rank)."""
+        return self.runner.any_rank(flag)
 
     # --- checkpoints: the command line's format, tensors only ------------------------------------
     def checkpoint_parts(self) -> CheckpointParts:
-        """What save and load write and read: the command line's parts, with a loop state of
-        the step count alone."""
-        return CheckpointParts(
-            BackendTensors(self.runner), StepCount(self), RandomStates(self.runner)
-        )
+        """What save and load write and read: the backend's tensors, the loop state (the API's:
+        the step count alone) and the random states."""
+        return CheckpointParts(BackendTensors(self.runner), self.state, RandomStates(self.runner))
 
     def save(self, path: str | Path) -> Path:
         """Weights, optimizer state (by parameter name), EMA, step count and random states, in
@@ -264,17 +293,27 @@ class Engine:
         load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=same_replicas)
 
 
-class StepCount:
-    """An Engine's loop state, as a checkpoint part: the optimizer steps taken."""
+class LoopPart(Protocol):
+    """The loop state a checkpoint carries: the steps done, and whatever else the loop keeps."""
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    step: int
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class StepCount:
+    """The public API's loop state: the optimizer steps taken."""
+
+    step: int = 0
 
     def state_dict(self) -> dict[str, int]:
-        return {"step": self.engine.steps_done}
+        return {"step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.engine.steps_done = int(state["step"])
+        self.step = int(state["step"])
 
 
 def check_sharded(batches: Iterable, ranks: int) -> None:

@@ -8,34 +8,37 @@ from collections.abc import Callable, Iterable, Iterator
 from accel.backends import Backend
 from accel.config import RunConfig
 from accel.data.loaders import build_eval_loader
+from accel.engine import Engine
 from accel.losses import classifier_metrics, summarise
 
 EMA_SUFFIX = "_ema"
 
 
-def evaluate_classifier(backend: Backend, loader: Iterable[dict], ema: bool = False) -> dict:
+def evaluate_classifier(model: Engine | Backend, loader: Iterable[dict], ema: bool = False) -> dict:
     """eval_loss, eval_acc, eval_acc5 and eval_images over an evaluation loader's masked,
-    padded batches: the public API's evaluation with the command line's metric (one path)."""
+    padded batches: the public API's evaluation (Engine.evaluate, which is the backend's
+    evaluate_sums) with the command line's metric; one path."""
     batches = ((b["images"], b["labels"], b["mask"]) for b in loader)
-    return summarise(backend.evaluate_sums(batches, classifier_metrics, ema=ema))
+    run = model.evaluate if isinstance(model, Engine) else model.evaluate_sums
+    return summarise(run(batches, classifier_metrics, ema=ema))
 
 
 class Evaluator:
     def __init__(
         self,
         cfg: RunConfig,
-        backend: Backend,
+        engine: Engine,
         image_size: int,
         host_batch: int,
         shard: tuple[int, int],
         track: Callable[[Iterable[dict]], Iterator[dict]],
     ):
-        self.cfg, self.backend, self.track = cfg, backend, track
+        self.cfg, self.engine, self.track = cfg, engine, track
         self.args = (cfg.data, image_size, host_batch, shard, cfg.seed, cfg.model.num_classes)
 
     def _pass(self, ema: bool) -> dict[str, float]:
         loader = build_eval_loader(*self.args)
-        return evaluate_classifier(self.backend, self.track(loader), ema)
+        return evaluate_classifier(self.engine, self.track(loader), ema)
 
     def __call__(self) -> dict[str, float]:
         """eval_loss, eval_acc, eval_acc5, eval_images, and their _ema twins where kept."""

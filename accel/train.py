@@ -17,17 +17,11 @@ import torch
 from tqdm import tqdm
 
 from accel.backends import Backend, create_backend
-from accel.checkpoint import (
-    BackendTensors,
-    CheckpointManager,
-    CheckpointParts,
-    RandomStates,
-    remove_stale_temporaries,
-    storage_error,
-)
+from accel.checkpoint import CheckpointManager, remove_stale_temporaries, storage_error
 from accel.config import ConfigError, RunConfig
 from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext, all_gather_ints
+from accel.engine import Engine
 from accel.evaluation import Evaluator
 from accel.flops import train_flops_per_image
 from accel.metrics import (
@@ -189,15 +183,17 @@ class Trainer:
         if self.steps_per_epoch < 1:
             raise ConfigError("an epoch holds fewer batches than --grad_accum")
         self.total_steps = cfg.steps or cfg.epochs * self.steps_per_epoch
-        self.schedule = LRSchedule(cfg.optim, self.total_steps, self.steps_per_epoch)
-        self.ema_decay = EmaDecay(cfg.optim) if cfg.optim.model_ema else None
         self.state = LoopState()
-        world = self.data_ranks * self.backend.local_replicas
-        parts = CheckpointParts(
-            BackendTensors(self.backend), self.state, RandomStates(self.backend)
+        # The backend as the public API drives it: steps, fetches, evaluation and checkpoint
+        # parts go through the engine, at timm's cosine rate and EMA decay of each step.
+        schedule = LRSchedule(cfg.optim, self.total_steps, self.steps_per_epoch)
+        ema = EmaDecay(cfg.optim) if cfg.optim.model_ema else 0.0
+        accum = cfg.optim.grad_accum
+        self.engine = Engine(self.backend, ctx, schedule, accum, ema, self.state)
+        parts, sharded = self.engine.checkpoint_parts(), self.backend.sharded_checkpoint
+        self.checkpoints = CheckpointManager(
+            cfg, ctx.is_main, ctx.rank, parts, sharded, self.engine.replicas
         )
-        sharded = self.backend.sharded_checkpoint
-        self.checkpoints = CheckpointManager(cfg, ctx.is_main, ctx.rank, parts, sharded, world)
         self.pending: list[tuple[int, Any, float]] = []
         self.stopping = False  # a signal asked to stop, and the ranks agreed
         self.nonfinite_stop: int | None = None  # the step that stops the run (--nan_policy stop)
@@ -209,10 +205,6 @@ class Trainer:
     @property
     def global_batch(self) -> int:
         return self.host_batch * self.data_ranks * self.cfg.optim.grad_accum
-
-    def ema_decay_at(self, step: int) -> float:
-        """The EMA decay of optimizer step `step` (0: no EMA kept)."""
-        return self.ema_decay(step) if self.ema_decay else 0.0
 
     def resume(self) -> None:
         path = self.checkpoints.resume_path()
@@ -235,7 +227,7 @@ class Trainer:
         """Fetch the pending losses in one host sync and log them, with their steps' timing."""
         if not self.pending:
             return
-        results = self.backend.fetch_results([handle for _, handle, _ in self.pending])
+        results = self.engine.fetch([handle for _, handle, _ in self.pending])
         timing = self.timer.group(len(self.pending), self.global_batch)
         for (step, _, lr), (loss, applied) in zip(self.pending, results, strict=True):
             self.state.losses.append(loss)
@@ -269,7 +261,7 @@ class Trainer:
             self.tracker = SkipTracker(self.state, self.logger)
             shard = (self.data_rank, self.data_ranks)
             self.evaluate = Evaluator(
-                self.cfg, self.backend, self.image_size, self.host_batch, shard, self.tracker.track
+                self.cfg, self.engine, self.image_size, self.host_batch, shard, self.tracker.track
             )
             try:
                 return self._train()
@@ -326,18 +318,16 @@ class Trainer:
         if self.nonfinite_stop is not None:  # found in all-reduced losses: the same on all ranks
             return True
         if self.state.step % self.cfg.log_every == 0:
-            self.stopping = self.backend.any_rank(self.stop.requested)
+            self.stopping = self.engine.any_rank(self.stop.requested)
         return self.stopping
 
     def _run_epoch(self, bar: tqdm, start: int) -> None:
         accum = self.cfg.optim.grad_accum
         self.loader.batch_sampler.set_epoch(self.state.epoch, self.state.batch_in_epoch)
         host = (host_tuple(b) for b in self.tracker.track(self.loader))
-        for micro in timed_groups(self.backend.device_batches(host), accum, self.timer):
-            step, lr = self.state.step + 1, self.schedule(self.state.step)
-            handle = self.backend.train_step(micro, lr, self.ema_decay_at(step))
-            self.pending.append((step, handle, lr))
-            self.state.step += 1
+        for micro in timed_groups(self.engine.loader(host), accum, self.timer):
+            handle = self.engine.step_micro_batches(micro)  # counts the step in self.state
+            self.pending.append((self.state.step, handle, self.engine.lr))
             self.state.batch_in_epoch += accum
             self._after_step(start)
             bar.update(1)

@@ -105,6 +105,31 @@ def test_accumulation_and_the_ema_and_evaluation(backend):
     assert ema["count"] == 80
 
 
+def test_batches_split_beforehand_take_the_same_step_as_accum():
+    """step_micro_batches (the command line loop's call) on halves split by the caller is
+    step(batch) with accum=2: the same losses, weights and learning rates."""
+    results = []
+    for presplit in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        engine = accel.prepare(
+            model, grouped(model, "sgd"), loss_fn, accum=2, schedule=lambda s: 0.1 / (s + 1),
+            quiet=True,
+        )  # fmt: skip
+        for batch in engine.loader(batches(3)):
+            halves = [tuple(t[i * 8 : (i + 1) * 8] for t in batch) for i in range(2)]
+            handle = engine.step_micro_batches(halves) if presplit else engine.step(*batch)
+            results.append((engine.fetch([handle])[0].loss, engine.lr))
+        weights = engine.runner.checkpoint_state()["model"]
+        results.append(weights["head.weight"])
+    plain, split = results[:4], results[4:]
+    assert split[:3] == plain[:3]
+    assert torch.equal(split[3], plain[3])
+    assert plain[2][1] == pytest.approx([0.1 / 3, 0.1 / 3, 0.2 / 3])  # each group's own ratio
+    assert engine.steps_done == 3
+    assert engine.any_rank(True) and not engine.any_rank(False)  # one process: the flag
+
+
 @SLOW
 def test_the_api_gives_the_command_line_losses(tmp_path):
     """The Trainer's own job rebuilt from the same parts through accel.prepare."""

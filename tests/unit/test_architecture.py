@@ -124,3 +124,25 @@ def test_no_save_path_gathers_the_whole_state():
         assert "gather_object" not in text, path
         if path.name != "fsdp.py":
             assert "full_tensor()" not in text, path
+
+
+def _backend_calls(rel: str) -> set[str]:
+    """The methods a file calls on an attribute named backend (`self.backend.x(...)`)."""
+    calls = set()
+    for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            owner = node.func.value
+            if isinstance(owner, ast.Attribute) and owner.attr == "backend":
+                calls.add(node.func.attr)
+    return calls
+
+
+def test_the_command_line_trains_through_the_public_engine():
+    """The Trainer and its Evaluator step, fetch, evaluate, agree across ranks and checkpoint
+    through accel.engine.Engine, as a user's script does: no second copy of those paths. What
+    they ask the backend itself is setup and bookkeeping (timing, compile counts, stats)."""
+    engine_only = {"train_step", "fetch_results", "evaluate_sums", "any_rank", "device_batches"}
+    engine_only |= {"checkpoint_state", "load_checkpoint_state", "rng_state", "load_rng_state"}
+    for rel in ("accel/train.py", "accel/evaluation.py"):
+        assert not _backend_calls(rel) & engine_only, (rel, _backend_calls(rel) & engine_only)
+    assert _backend_calls("accel/train.py") == {"setup", "synchronize", "mark_warmup_done", "stats"}
