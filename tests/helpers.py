@@ -52,6 +52,17 @@ def micro_config(
     return cfg
 
 
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS holding `flags` after the suite's own (conftest.py: the compile's optimisation
+    level), for a command's environment."""
+    return " ".join((os.environ.get("XLA_FLAGS", ""), *flags)).strip()
+
+
+TWO_HOST_DEVICES = "--xla_force_host_platform_device_count=2"  # JAX's and XLA's on a CPU
+# XLA's default code generation, for runs whose steps outweigh their compiles.
+DEFAULT_XLA = {"XLA_FLAGS": ""}
+
+
 def free_port(taken: set[int] = set()) -> int:  # noqa: B006 (the ports handed out so far)
     """A TCP port on 127.0.0.1 that nothing listens on now, never the same one twice in a
     session; tests take theirs through conftest's `free_port` fixture."""

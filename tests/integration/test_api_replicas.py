@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import accel
-from tests.helpers import HAS_XLA, ROOT, Net, api_loss_fn
+from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, Net, api_loss_fn, xla_flags
 
 pytestmark = pytest.mark.slow
 SCRIPT = ("-m", "tests.api_replicas")
@@ -74,7 +74,7 @@ def test_two_processes_under_torchrun_equal_one(one_replica, tmp_path, shard):
 def test_two_devices_of_one_process_equal_one_replica(one_replica, tmp_path, backend, shard):
     if backend == "xla" and not HAS_XLA:
         pytest.skip("torch_xla is not installed")
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PJRT_DEVICE": "CPU"}
+    env = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES), "PJRT_DEVICE": "CPU"}
     cmd = [sys.executable, *SCRIPT, backend, "2", str(tmp_path), shard]
     result = run(cmd, tmp_path, env)
     close(result, one_replica, 1e-5)

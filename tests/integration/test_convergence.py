@@ -10,7 +10,7 @@ import pytest
 
 from accel.data.prepare import prepare_digits
 from bench.convergence import BACKENDS, FLAGS, curves
-from tests.helpers import HAS_XLA, train_cli
+from tests.helpers import DEFAULT_XLA, HAS_XLA, train_cli
 
 EPOCHS, EAGER_TOP1, DISTANCE = 6, 0.6, 0.1
 
@@ -23,7 +23,11 @@ def runs(tmp_path_factory) -> dict:
     # bench/convergence.py's flags, the images decoded in the training process: the batches
     # its loader workers give (test_user_commands.py), without a fork server and workers to start.
     flags = (*FLAGS, "--data", str(data), "--epochs", str(EPOCHS), "--workers", "0")
-    return {b: train_cli(tmp_path_factory.mktemp(b), *flags, "--backend", b)[0] for b in backends}
+    # XLA's default code generation: six epochs of steps outweigh the compiles.
+    return {
+        b: train_cli(tmp_path_factory.mktemp(b), *flags, "--backend", b, env=DEFAULT_XLA)[0]
+        for b in backends
+    }
 
 
 def test_the_digits_folder_is_the_real_dataset(tmp_path):

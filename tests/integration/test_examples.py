@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.helpers import HAS_XLA, ROOT, run_script
+from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, run_script, xla_flags
 
 pytestmark = pytest.mark.slow
 DOCS = ("README.md", "docs/api.md")
@@ -33,7 +33,7 @@ def run(command: str, tmp_path, port: int | None = None) -> dict:
     words = shlex.split(command, comments=True)
     # On a CPU: XLA's and JAX's host platforms, with two devices for the commands that ask.
     env = {"PJRT_DEVICE": "CPU", "JAX_PLATFORMS": "cpu"}
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
+    env["XLA_FLAGS"] = xla_flags(TWO_HOST_DEVICES)
     while "=" in words[0]:
         key, value = words.pop(0).split("=", 1)
         env[key] = value

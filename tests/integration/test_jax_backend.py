@@ -15,7 +15,14 @@ from accel.data.loaders import build_eval_loader
 from accel.distributed import DistContext
 from accel.evaluation import evaluate_classifier
 from accel.train import Trainer
-from tests.helpers import micro_config, read_summary, run_cli, run_cli_without
+from tests.helpers import (
+    TWO_HOST_DEVICES,
+    micro_config,
+    read_summary,
+    run_cli,
+    run_cli_without,
+    xla_flags,
+)
 
 pytestmark = pytest.mark.slow  # each test compiles its own jax step
 
@@ -52,7 +59,7 @@ def test_two_forced_host_devices_train_with_mixup_without_recompiles(tmp_path, m
         "0",
         "--output",
         str(tmp_path),
-        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+        env={"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES)},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     summary = read_summary(tmp_path)

@@ -14,7 +14,15 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import Command, read_summary, run_cli, train, train_cli
+from tests.helpers import (
+    TWO_HOST_DEVICES,
+    Command,
+    read_summary,
+    run_cli,
+    train,
+    train_cli,
+    xla_flags,
+)
 from tests.shared_runs import SHARD_JOB, TP_JOB
 
 pytestmark = pytest.mark.slow
@@ -177,7 +185,7 @@ def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_device
     jax = ("--backend", "jax", "--batch_size", "4")
     finished = _finish(_nodes(tmp_path / "two", free_port(), *jax))
     assert all(code == 0 for code, _ in finished), finished[0][1][-2000:]
-    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    devices = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES)}
     one = _summary(tmp_path / "one", *jax, "--nproc_per_node", "2", env=devices)
     two = read_summary(tmp_path / "two")
     assert two["world_size"] == one["world_size"] == 2 and two["global_batch_size"] == 8

@@ -22,6 +22,7 @@ from accel.parallel import fsdp
 from tests import nan_model
 from tests.helpers import (
     ROOT,
+    TWO_HOST_DEVICES,
     checkpoint_tensors,
     cli_command,
     launch,
@@ -30,6 +31,7 @@ from tests.helpers import (
     read_summary,
     run_cli,
     train_cli,
+    xla_flags,
 )
 from tests.shared_runs import SHARD_JOB
 
@@ -112,7 +114,7 @@ def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tm
 
 
 def test_jax_sharded_arrays_train_the_replicated_losses_with_half_the_state(tmp_path):
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    env = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES)}
     runs = {
         shard: _run(
             tmp_path / shard,
