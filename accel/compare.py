@@ -16,6 +16,7 @@ from pathlib import Path
 from accel.config import BACKENDS, ConfigError
 from accel.report import markdown_table
 from accel.run_records import Run, aggregate, read_steps
+from accel.summary import RunSummary
 
 COLUMNS = (
     "backend",
@@ -74,7 +75,7 @@ def run_comparison(argv: list[str], backends: list[str], model: str, output: str
             )
             return code
         run_dir = Path(output) / model / backend / name
-        summary = json.loads((run_dir / "summary.json").read_text())
+        summary = RunSummary.from_dict(json.loads((run_dir / "summary.json").read_text()))
         runs.append(Run(model, backend, name, summary, read_steps(run_dir / "metrics.jsonl", [])))
     print(f"\ncomparison of {model} ({', '.join(backends)}), speed-up over {backends[0]}:\n")
     print(markdown_table(aggregate(runs, base_backend=backends[0]), COLUMNS))

@@ -39,11 +39,11 @@ def colour(backend: str) -> str:
 
 def subtitle(runs: list[Run]) -> str:
     s = runs[0].summary
-    device = s.get("device") or "unknown device"
+    device = s.device or "unknown device"
     models = ", ".join(sorted({r.model for r in runs}))
     return (
-        f"{device} | {models} | batch {s.get('global_batch_size')} | {s.get('amp_level')} | "
-        f"{s.get('steps')} steps | {repeats(runs)} run(s) of each job and backend"
+        f"{device} | {models} | batch {s.global_batch_size} | {s.amp_level} | "
+        f"{s.steps} steps | {repeats(runs)} run(s) of each job and backend"
     )
 
 
@@ -73,7 +73,7 @@ def throughput(runs: list[Run], table: list[dict]) -> Figure:
         rows = [r for r in table if r["config"] == config]
         for x, row in enumerate(rows):
             mine = [
-                r.summary["images_per_sec"]
+                r.summary.images_per_sec or 0.0
                 for r in runs
                 if r.config == config and r.backend == row["backend"]
             ]
@@ -195,7 +195,7 @@ def _startup_bars(
         mine = _mine(runs, config, backend)
         left = 0.0
         for phase in PHASES:
-            width = _median([(r.summary.get("startup_s") or {}).get(phase, 0.0) for r in mine])
+            width = _median([(r.summary.startup_s or {}).get(phase, 0.0) for r in mine])
             ax.barh(
                 y,
                 width,
@@ -225,7 +225,7 @@ def chance(runs: list[Run]) -> float | None:
 
 def agreement(runs: list[Run], table: list[dict]) -> Figure:
     configs = _configs(runs)
-    evals = any(r.summary.get("eval_acc") is not None for r in runs)
+    evals = any(r.summary.eval_acc is not None for r in runs)
     fig, axes = _panels(3 if evals else 2, len(configs), "Do the backends agree?", runs)
     for column, config in enumerate(configs):
         losses, diffs = axes[0][column], axes[1][column]
@@ -289,7 +289,7 @@ def _eval_bars(ax, runs: list[Run], rows: list[dict], config: tuple) -> None:
         if value is None:
             continue
         ax.bar(x, value, 0.6, color=colour(row["backend"]), label=row["backend"])
-        each = [r.summary.get("eval_acc") for r in _mine(runs, config, row["backend"])]
+        each = [r.summary.eval_acc for r in _mine(runs, config, row["backend"])]
         ax.scatter([x] * len(each), each, color="black", s=8, zorder=3)
         ax.text(x, value, f"{value:.3f}", ha="center", va="bottom", fontsize=8)
     level = chance([r for r in runs if r.config == config])
@@ -325,7 +325,7 @@ def _state_bars(ax, runs: list[Run], rows: list[dict], config: tuple) -> None:
     legend lists only the parts some bar has."""
     drawn: list[str] = []
     for x, row in enumerate(rows):
-        state = _first_run(runs, config, row["backend"]).summary.get("state_bytes") or {}
+        state = _first_run(runs, config, row["backend"]).summary.backend_stats.state_bytes or {}
         bottom = 0.0
         for part in STATE_PARTS:
             if not state.get(part):
@@ -367,7 +367,7 @@ def _peak_bars(ax, runs: list[Run], rows: list[dict], config: tuple) -> None:
             ax.text(x, peak or 0, fmt(peak), ha="center", va="bottom", fontsize=8)
             continue
         mine = _mine(runs, config, row["backend"])
-        start = _median([max(r.summary.get("host_bytes_at_start") or [0]) / 2**20 for r in mine])
+        start = _median([max(r.summary.host_bytes_at_start or [0]) / 2**20 for r in mine])
         peak = row["peak_host_mib"] or 0
         ax.bar(x, start, 0.6, color=colour(row["backend"]), alpha=0.3, hatch="..")
         ax.bar(x, max(peak - start, 0), 0.6, bottom=start, color=colour(row["backend"]))

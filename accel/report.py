@@ -68,8 +68,8 @@ def write_csv(runs: list[Run], table: list[dict[str, Any]], path: Path) -> None:
 
 def provenance(runs: list[Run]) -> str:
     """Where the numbers came from: device, versions, date."""
-    devices = sorted({r.summary.get("device") or "unknown device" for r in runs})
-    versions = runs[0].summary.get("versions") or {}
+    devices = sorted({r.summary.device or "unknown device" for r in runs})
+    versions = runs[0].summary.versions or {}
     stack = ", ".join(f"{k} {v}" for k, v in versions.items())
     date = datetime.now(UTC).strftime("%Y-%m-%d")
     runs_each = f"{repeats(runs)} run(s) of each job and backend"

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.config import BACKENDS
+from accel.summary import RunSummary
 
 LAYOUT = "<output>/<model>/<backend>/<run>/summary.json (launch_single_task's --output folder)"
 # Every run's numbers, one CSV row each.
@@ -32,7 +33,7 @@ class Run:
     model: str
     backend: str
     name: str
-    summary: dict[str, Any]
+    summary: RunSummary
     steps: list[dict] = field(default_factory=list)  # metrics.jsonl's step records, in order
     num_classes: int | None = None  # from config.json, where it is there: chance is 1 / this
 
@@ -40,7 +41,7 @@ class Run:
     def config(self) -> tuple:
         """What makes two runs the same job (the backend aside)."""
         s = self.summary
-        return (self.model, s.get("amp_level"), s.get("global_batch_size"), s.get("world_size"))
+        return (self.model, s.amp_level, s.global_batch_size, s.world_size)
 
     def series(self, key: str) -> tuple[list[int], list[float]]:
         """(steps, values) of one step-record field, where recorded."""
@@ -65,14 +66,15 @@ def read_steps(path: Path, problems: list[str]) -> list[dict]:
 
 def read_run(run_dir: Path, problems: list[str]) -> Run | None:
     try:
-        summary = json.loads((run_dir / "summary.json").read_text())
+        record = json.loads((run_dir / "summary.json").read_text())
     except json.JSONDecodeError:
         problems.append(f"corrupt summary.json: {run_dir}")
         return None
-    if summary.get("eval_only"):
+    if record.get("eval_only"):
         return None  # an evaluation, not a training run to compare
+    summary = RunSummary.from_dict(record)
     model, backend = run_dir.parts[-3:-1]
-    model, backend = summary.get("model", model), summary.get("backend", backend)
+    model, backend = summary.model or model, summary.backend or backend
     steps = read_steps(run_dir / "metrics.jsonl", problems)
     return Run(model, backend, run_dir.name, summary, steps, _num_classes(run_dir))
 
@@ -110,14 +112,15 @@ def _mib(value: Any) -> float | None:
 def run_row(run: Run) -> dict[str, Any]:
     """One run's numbers, by RUN_COLUMNS."""
     s = run.summary
-    ips = s.get("images_per_sec") or None
-    row = {k: s.get(k) for k in RUN_COLUMNS}
+    ips = s.images_per_sec or None
+    flat = s.to_dict()  # the columns by summary.json's names
+    row = {k: flat.get(k) for k in RUN_COLUMNS}
     row.update(model=run.model, backend=run.backend, run=run.name)
-    row["step_time_ms"] = 1000 * s["global_batch_size"] / ips if ips else None
-    row["compile_s"] = s.get("compile_time_s")  # BackendStats.compile_time_s, on every backend
-    row["final_loss"] = s["losses"][-1] if s.get("losses") else None
-    row["peak_device_mib"] = _mib(s.get("peak_memory_bytes"))
-    row["peak_host_mib"] = _mib(s.get("peak_host_bytes"))
+    row["step_time_ms"] = 1000 * s.global_batch_size / ips if ips else None
+    row["compile_s"] = s.backend_stats.compile_time_s  # on every backend that measures it
+    row["final_loss"] = s.final_loss
+    row["peak_device_mib"] = _mib(s.backend_stats.peak_memory_bytes)
+    row["peak_host_mib"] = _mib(s.peak_host_bytes)
     return row
 
 

@@ -36,6 +36,7 @@ from accel.models.factory import input_size
 from accel.optim import EmaDecay, LRSchedule
 from accel.runs import RunLock
 from accel.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
+from accel.summary import RunSummary
 from accel.versions import stack
 
 
@@ -384,41 +385,42 @@ class Trainer:
         steady_s = end - self.timer.warm_t - self.timer.eval_s
         ips = steady_images_per_sec(self.global_batch, timed, steady_s)
         replicas = self.ctx.world_size * self.backend.local_replicas
-        summary = {
-            "backend": self.backend.name,
-            "model": self.cfg.model.name,
-            "world_size": replicas,
-            "amp_level": self.cfg.amp_level,
-            "global_batch_size": self.global_batch,
-            "steps": self.state.step,
-            "losses": self.state.losses,
-            "images_per_sec": ips,
-            "time_to_first_step_s": self.timer.first_step_s,
-            "startup_s": self.timer.startup_s,
-            "data_wait_fraction": self.timer.data_wait_s / max(self.timer.loop_s, 1e-9),
-            "nonfinite_steps": self.state.nonfinite_steps,
-            "seed": self.cfg.seed,
-            "kernel_opt": self.cfg.kernel_opt,
-            "warm_step": self.timer.warm_step,
-            "versions": stack(),
-            **utilisation(ips, self.flops_per_image, self.cfg.peak_tflops, replicas),
-            "run_dir": str(self.cfg.run_dir()),
-            **self.backend.stats().to_summary(),
-        }
-        summary["device"] = describe_device(summary["device_name"])
+        mfu = utilisation(ips, self.flops_per_image, self.cfg.peak_tflops, replicas)
+        summary = RunSummary(
+            backend=self.backend.name,
+            model=self.cfg.model.name,
+            run_dir=str(self.cfg.run_dir()),
+            world_size=replicas,
+            amp_level=self.cfg.amp_level,
+            global_batch_size=self.global_batch,
+            steps=self.state.step,
+            seed=self.cfg.seed,
+            kernel_opt=self.cfg.kernel_opt,
+            losses=self.state.losses,
+            nonfinite_steps=self.state.nonfinite_steps,
+            images_per_sec=ips,
+            warm_step=self.timer.warm_step,
+            time_to_first_step_s=self.timer.first_step_s,
+            startup_s=self.timer.startup_s,
+            data_wait_fraction=self.timer.data_wait_s / max(self.timer.loop_s, 1e-9),
+            **mfu,
+            device=describe_device(mfu["device_name"]),
+            versions=stack(),
+            backend_stats=self.backend.stats(),
+        )
         if self.cfg.eval:
-            final = self.evaluate()
-            summary.update(final)
-            self.state.evals.append(self._eval_record(final))
-        summary["evals"] = self.state.evals
-        summary["skipped_images"] = len(self.state.skipped)  # after evaluation's skips too
+            summary.evaluation = self.evaluate()
+            self.state.evals.append(self._eval_record(summary.evaluation))
+        summary.evals = self.state.evals
+        summary.skipped_images = len(self.state.skipped)  # after evaluation's skips too
         # Every rank's memory, construction, training, checkpoints and evaluation included.
-        summary["peak_host_bytes"] = all_gather_ints(peak_host_bytes())
-        summary["host_bytes_at_start"] = all_gather_ints(self.host_bytes_at_start)
+        summary.peak_host_bytes = all_gather_ints(peak_host_bytes())
+        summary.host_bytes_at_start = all_gather_ints(self.host_bytes_at_start)
+        record = summary.to_dict()
         if self.ctx.is_main:
-            self.logger.write_summary(summary)
+            self.logger.write_summary(record)
             self.logger.info(f"{ips:.1f} img/s, final loss {self.state.losses[-1]:.4f}")
-        return summary
+        return record
 
     def _evaluate_only(self) -> dict[str, Any]:
         """--eval_only: the weights as loaded, evaluated; nothing trained or saved."""

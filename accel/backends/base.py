@@ -90,7 +90,8 @@ class BackendStats:
     def to_summary(self) -> dict[str, Any]:
         """The fields as summary.json holds them, `details` among them."""
         fields = asdict(self)
-        return {**fields, **fields.pop("details")}
+        details = fields.pop("details")  # flat: no nested copy beside its fields
+        return {**fields, **details}
 
 
 @runtime_checkable

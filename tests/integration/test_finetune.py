@@ -19,6 +19,7 @@ from accel.launch_single_task import main
 from accel.models.factory import ModelConfig, create_model, meta_model
 from accel.optim import parameter_settings
 from accel.run_records import Run, run_row
+from accel.summary import RunSummary
 from tests.helpers import HAS_XLA, launch, micro_config, read_summary, run_cli, run_python, train
 
 # Without torch_xla (make test-latest) the other three, and the xla cases skip; CI requires it.
@@ -64,7 +65,9 @@ def test_every_backend_reports_the_typed_stats_the_report_reads(runs, backend):
     compiler = backend in ("xla", "jax")  # the backends that time their compiles
     assert (summary["compile_time_s"] > 0) if compiler else summary["compile_time_s"] is None
     assert summary["graphs_compiled"] >= (1 if backend != "eager" else 0)
-    run = Run("vit_micro", backend, "r", summary)
+    typed = RunSummary.from_dict(summary)  # as the report reads it: every field back in place
+    assert typed.to_dict() == summary and "details" not in summary
+    run = Run("vit_micro", backend, "r", typed)
     assert run_row(run)["compile_s"] == summary["compile_time_s"]
     # One evaluation path: the command line's metric through each backend's evaluate_sums.
     assert summary["eval_images"] > 0

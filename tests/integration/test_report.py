@@ -50,7 +50,7 @@ def test_one_row_per_backend_with_the_median_of_its_runs(run_tree, tmp_path):
     table = aggregate(runs)
     assert [(r["backend"], r["runs"]) for r in table] == [(b, 2) for b in BACKENDS]
     medians = {
-        b: statistics.median(r.summary["images_per_sec"] for r in runs if r.backend == b)
+        b: statistics.median(r.summary.images_per_sec for r in runs if r.backend == b)
         for b in BACKENDS
     }
     for row in table:
@@ -115,7 +115,7 @@ def test_the_pictures_draw_what_was_measured(run_tree):
         accuracy = [ax for ax in drawn["agreement"].axes if ax.get_ylabel() == "validation top-1"]
         assert any(list(line.get_ydata()) == [0.1, 0.1] for line in accuracy[0].lines)  # chance
         state = next(ax for ax in drawn["memory"].axes if "by part" in ax.get_title())
-        held = {p for r in runs for p, n in (r.summary.get("state_bytes") or {}).items() if n}
+        held = {p for r in runs for p, n in r.summary.backend_stats.state_bytes.items() if n}
         legend = [t.get_text() for t in state.get_legend().get_texts()]
         assert legend == [p for p in STATE_PARTS if p in held]  # the parts the bars show
     finally:
