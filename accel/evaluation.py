@@ -14,12 +14,14 @@ from accel.losses import classifier_metrics, summarise
 EMA_SUFFIX = "_ema"
 
 
-def evaluate_classifier(model: Engine | Backend, loader: Iterable[dict], ema: bool = False) -> dict:
+def evaluate_classifier(
+    runner: Engine | Backend, loader: Iterable[dict], ema: bool = False
+) -> dict:
     """eval_loss, eval_acc, eval_acc5 and eval_images over an evaluation loader's masked,
     padded batches: the public API's evaluation (Engine.evaluate, which is the backend's
     evaluate_sums) with the command line's metric; one path."""
     batches = ((b["images"], b["labels"], b["mask"]) for b in loader)
-    run = model.evaluate if isinstance(model, Engine) else model.evaluate_sums
+    run = runner.evaluate if isinstance(runner, Engine) else runner.evaluate_sums
     return summarise(run(batches, classifier_metrics, ema=ema))
 
 
