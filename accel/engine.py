@@ -224,18 +224,19 @@ class Engine:
         handle that stays on the device until `fetch`."""
         if len(batch) == 1 and isinstance(batch[0], tuple | list):
             batch = tuple(batch[0])
-        return self.step_micro_batches(self.micro_batches(batch))
+        try:
+            return self.step_micro_batches(self.micro_batches(batch))
+        except BackendUnavailable as err:  # an op the backend cannot lower: one line
+            raise AccelError(str(err)) from None
 
     def step_micro_batches(self, micro_batches: list[Any]) -> Any:
         """One optimizer step over batches already split for gradient accumulation (device
-        batches from `loader`, as the command line's loop reads them); a handle, as `step`."""
+        batches from `loader`, as the command line's loop reads them); a handle, as `step`.
+        An op the backend cannot lower raises BackendUnavailable (the launcher's exit 2)."""
         done = self.state.step
         self.lr = self.rates(done)
         decay = self.ema(done + 1) if callable(self.ema) else self.ema
-        try:
-            handle = self.runner.train_step(micro_batches, self.lr, decay)
-        except BackendUnavailable as err:  # an op the backend cannot lower: one line
-            raise AccelError(str(err)) from None
+        handle = self.runner.train_step(micro_batches, self.lr, decay)
         self.state.step = done + 1
         return handle
 
