@@ -8,6 +8,13 @@ the interpreter's start and the imports, several seconds of each of the suite's 
 launches. Nothing here has started a thread or a runtime when it forks: torch_xla's runtime and
 JAX's platforms start on first use, in the child, which reads its own environment then.
 
+The ranks such a command starts through torchrun (`--nproc_per_node`, `--nnodes`) are forked from
+it the same way, instead of torchrun starting `python -m accel.launch_single_task` afresh for
+each (ForkedRank): the launcher has started no runtime either, only torchrun's rendezvous store,
+which a rank never touches. A command whose environment sets FRESH_RANKS gets torchrun's own
+fresh interpreters, as users do: the tests that look at the ranks from outside (their command
+lines, their process tree, their resident memory) set it.
+
 The protocol, one JSON object a line: on stdin a request {"argv", "env", "cwd", "stdout",
 "stderr", "status", "script", "new_session"}; on stdout the child's {"pid"}. When a child ends,
 its wait status is written to the request's "status" file (atomically), which is how the suite
@@ -18,20 +25,29 @@ from __future__ import annotations
 
 import atexit
 import importlib
+import io
 import json
 import os
 import runpy
 import select
+import signal
+import subprocess
 import sys
+import time
 import traceback
 
-# What every launch imports.
+# What every launch imports. Not torchax (accel.backends.jax): it registers its "jax" device as
+# torch's PrivateUse1 backend, after which torch.distributed's barrier fails ("Please register
+# PrivateUse1HooksInterface"), so it would break the eager ranks forked from here; a jax
+# command imports it itself (half a second).
 PRELOAD = ("torch", "torchvision", "timm", "jax", "torch_xla", "accel.launch_single_task")
 PRELOAD += ("accel.train", "accel.compare", "accel.engine")
-PRELOAD += ("accel.backends.eager", "accel.backends.compile", "accel.backends.jax")
-PRELOAD += ("accel.backends.xla",)
+PRELOAD += ("accel.backends.eager", "accel.backends.compile", "accel.backends.xla")
 # huggingface_hub reads these as it is imported: a command that sets one starts afresh.
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_")
+# Set in a command's environment: its ranks start as fresh interpreters (helpers.FRESH_RANKS).
+FRESH_RANKS = "ACCEL_SUITE_FRESH_RANKS"
+RANK_COMMAND = ("-u", "-m", "accel.launch_single_task")  # how torchrun starts a rank
 
 
 START_ENV = dict(os.environ)
@@ -75,17 +91,26 @@ def _child(request: dict, imported_env: dict[str, str]) -> int:
     sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
     script = request.get("script")
-    launcher = sys.modules["accel.launch_single_task"]
-    sys.argv = [script or launcher.__file__, *request["argv"]]
     if any(k.startswith(READ_AT_IMPORT) and v != START_ENV.get(k) for k, v in os.environ.items()):
         command = [script] if script else ["-m", "accel.launch_single_task"]
         os.execv(sys.executable, [sys.executable, *command, *request["argv"]])
+    if os.environ.get(FRESH_RANKS) is None:
+        fork_ranks()
+    return _main(request["argv"], script)
+
+
+def _main(argv: list[str], script: str | None) -> int:
+    """Run the launcher (or `script`) with `argv` in this process, as the interpreter would: its
+    exit code."""
+    launcher = sys.modules["accel.launch_single_task"]
+    sys.argv = [script or launcher.__file__, *argv]
+    launcher.START = time.perf_counter()  # its time to the first step counts from here
     try:
         if script:
             sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
             runpy.run_path(script, run_name="__main__")
             return 0
-        return launcher.main(request["argv"])
+        return launcher.main(argv)
     except SystemExit as exit_:
         code = exit_.code
         if code is None or isinstance(code, int):
@@ -109,6 +134,84 @@ def _run_child(request: dict, imported_env: dict[str, str], replies) -> None:
             sys.stderr.flush()
         finally:
             os._exit(code)
+
+
+class ForkedRank:
+    """A rank of the launcher in this process, forked from it, with what torchrun uses of the
+    subprocess.Popen it would have started: pid, poll, wait (torchrun's handler signals the
+    rank's process group, so the rank starts a session of its own, as there)."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], stdout, stderr):
+        self.args = [sys.executable, *RANK_COMMAND, *argv]
+        self.returncode: int | None = None
+        sys.stdout.flush()  # what the launcher has written is not the rank's to write again
+        sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:
+            _rank(argv, env, stdout, stderr)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _rank(argv: list[str], env: dict[str, str], stdout, stderr) -> None:
+    """Become the rank: what a fresh `python -u -m accel.launch_single_task` would be, without
+    what the launcher had set up for itself (its signal handlers, its exit functions)."""
+    code = 1
+    try:
+        os.setsid()
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        atexit._clear()
+        os.environ.clear()
+        os.environ.update(env)
+        if "OMP_NUM_THREADS" in env:  # torchrun's 1 a rank, which torch reads only as it starts
+            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+        for fd, target in ((1, stdout), (2, stderr)):
+            if target is not None:  # torchrun's --redirects; else the launcher's own streams
+                os.dup2(target.fileno(), fd)
+        sys.stdout = _unbuffered(1)  # `python -u`, as torchrun starts it
+        sys.stderr = _unbuffered(2)
+        code = _main(argv, None)
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _unbuffered(fd: int) -> io.TextIOWrapper:
+    return io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), write_through=True)
+
+
+def fork_ranks() -> None:
+    """Have torchrun fork the launcher's ranks from this process (ForkedRank) instead of
+    starting fresh interpreters."""
+    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
+
+    fresh = SubprocessHandler._popen
+
+    def popen(handler, args: tuple, env: dict[str, str]):
+        if tuple(args[1:4]) != RANK_COMMAND:  # another program: as torchrun would
+            return fresh(handler, args, env)
+        return ForkedRank(list(args[4:]), env, handler._stdout, handler._stderr)
+
+    SubprocessHandler._popen = popen
 
 
 def _reap(statuses: dict[int, str]) -> None:

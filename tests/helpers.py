@@ -191,9 +191,16 @@ class Command:
         return out, err
 
 
-def start_cli(*args: str) -> Command:
+# tests/cli_server.py forks the ranks a command starts through torchrun from the command
+# itself; in an environment with this, torchrun starts them as it does for users, as fresh
+# interpreters: for the tests that look at ranks from outside (their command line and
+# environment, their process tree, their resident memory).
+FRESH_RANKS = {"ACCEL_SUITE_FRESH_RANKS": "1"}
+
+
+def start_cli(*args: str, env: dict | None = None) -> Command:
     """launch_single_task in the background, to signal or kill it while it trains."""
-    return Command(list(args))
+    return Command(list(args), env)
 
 
 def run_command(command: Command, timeout: int) -> subprocess.CompletedProcess:
@@ -296,8 +303,9 @@ def backend_tensors(backend) -> dict:
 
 
 def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
-    """The launcher's process of `rank`, once started; children that come and go while it
-    looks (the loader's short-lived helpers) are passed over."""
+    """The launcher's process of `rank`, once started (a launcher started with FRESH_RANKS);
+    children that come and go while it looks (the loader's short-lived helpers) are passed
+    over."""
     for child in launcher.children(recursive=True):
         try:
             if child.environ().get("RANK") == rank and "accel.launch_single_task" in " ".join(

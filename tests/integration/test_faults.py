@@ -15,7 +15,15 @@ import psutil
 import pytest
 import torch
 
-from tests.helpers import launch, rank_process, read_summary, run_cli, start_cli, train
+from tests.helpers import (
+    FRESH_RANKS,
+    launch,
+    rank_process,
+    read_summary,
+    run_cli,
+    start_cli,
+    train,
+)
 
 JOB = ("--steps", "6", "--batch_size", "8", "--workers", "0", "--no-eval", "--log_every", "1")
 
@@ -146,6 +154,7 @@ def test_sigkill_of_one_rank_leaves_none_of_its_processes(tmp_path):
     proc = start_cli(
         *("--nproc_per_node", "2", "--steps", "100000", "--batch_size", "8", "--workers", "2"),
         *("--no-eval", "--log_every", "1", "--output", str(tmp_path)),
+        env=FRESH_RANKS,  # rank 1 found by its environment
     )
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 180

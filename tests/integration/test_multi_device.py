@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 from tests.helpers import (
+    FRESH_RANKS,
     TWO_HOST_DEVICES,
     Command,
     read_summary,
@@ -92,19 +93,25 @@ def test_a_mesh_larger_than_cpu_num_devices_is_one_line(tmp_path):
 
 # --- several launchers on this host, as several nodes -------------------------------------------
 def _node(
-    output: Path, port: int, rank: int, *extra: str, nodes: int = 2, base: tuple = JOB
+    output: Path,
+    port: int,
+    rank: int,
+    *extra: str,
+    nodes: int = 2,
+    base: tuple = JOB,
+    env: dict | None = None,
 ) -> Command:
     """The launcher of node `rank`, on 127.0.0.1 (a static rendezvous at rank 0's port), in a
     session of its own (killing its group kills the node)."""
     args = (*base, *extra, "--output", str(output), "--run_name", "r", "--nnodes", str(nodes))
     args += ("--master_addr", "127.0.0.1", "--master_port", str(port), "--node_rank", str(rank))
-    return Command(list(args), new_session=True)
+    return Command(list(args), env, new_session=True)
 
 
 def _nodes(
-    output: Path, port: int, *extra: str, nodes: int = 2, base: tuple = JOB
+    output: Path, port: int, *extra: str, nodes: int = 2, base: tuple = JOB, env: dict | None = None
 ) -> list[Command]:
-    return [_node(output, port, rank, *extra, nodes=nodes, base=base) for rank in range(nodes)]
+    return [_node(output, port, r, *extra, nodes=nodes, base=base, env=env) for r in range(nodes)]
 
 
 def _finish(procs: list[Command], timeout: int = 300) -> list[tuple[int, str]]:
@@ -143,9 +150,8 @@ def test_two_nodes_train_the_losses_of_one_node_with_two_processes(node_runs, la
 
 
 def test_killing_one_nodes_launcher_ends_the_other_naming_the_rank(tmp_path, free_port):
-    procs = _nodes(
-        tmp_path, free_port(), "--steps", "100000", "--batch_size", "8", "--save_every", "0"
-    )
+    job = ("--steps", "100000", "--batch_size", "8", "--save_every", "0")
+    procs = _nodes(tmp_path, free_port(), *job, env=FRESH_RANKS)  # ranks named by their commands
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("**/metrics.rank1.jsonl")):
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline

@@ -10,13 +10,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.helpers import train_cli
+from tests.helpers import FRESH_RANKS, train_cli
 
 pytestmark = pytest.mark.slow
 
 VITL = ("--model", "vit_large_patch16_224", "--img_size", "32", "--batch_size", "16")
 VITL += ("--num_classes", "10", "--synthetic_length", "64", "--workers", "0", "--no-eval")
 VITL += ("--log_every", "1", "--steps", "2")
+# Each rank's peak resident memory is compared with the single process's: ranks start as fresh
+# interpreters (helpers.FRESH_RANKS), not forked from a launcher that has imported every backend.
 PP4 = ("--nproc_per_node", "4", "--pp", "4", "--pp_microbatches", "8")
 # Every schedule trains the unsplit losses in test_pipeline.py; at scale the question is memory,
 # asked of one schedule with one stage a rank and of the interleaved one with two.
@@ -41,7 +43,7 @@ def vitl(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     runs = {}
     for name, extra in jobs.items():
         output = tmp_path_factory.mktemp(f"vitl-{name}")
-        runs[name] = output, train_cli(output, *VITL, *extra)[0]
+        runs[name] = output, train_cli(output, *VITL, *extra, env=FRESH_RANKS)[0]
         resumed = _checkpoint(output, "vit_large_patch16_224", 1) if name == "1f1b" else None
         _drop_checkpoints(output, keep=resumed)
     return runs
@@ -61,7 +63,7 @@ def test_vit_large_pipeline_resumes_bit_for_bit_within_the_same_memory(vitl, tmp
     output, piped = vitl["1f1b"]
     _, single = vitl["single"]
     resume = ("--resume", str(_checkpoint(output, "vit_large_patch16_224", 1)))
-    resumed, _ = train_cli(tmp_path, *VITL, *PP4, "--pp_schedule", "1f1b", *resume)
+    resumed, _ = train_cli(tmp_path, *VITL, *PP4, "--pp_schedule", "1f1b", *resume, env=FRESH_RANKS)
     _drop_checkpoints(tmp_path)
     assert resumed["losses"] == piped["losses"]
     assert max(resumed["peak_host_bytes"]) <= 0.45 * single["peak_host_bytes"][0]
