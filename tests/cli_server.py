@@ -13,7 +13,8 @@ it the same way, instead of torchrun starting `python -m accel.launch_single_tas
 each (ForkedRank): the launcher has started no runtime either, only torchrun's rendezvous store,
 which a rank never touches. A command whose environment sets FRESH_RANKS gets torchrun's own
 fresh interpreters, as users do: the tests that look at the ranks from outside (their command
-lines, their process tree, their resident memory) set it.
+lines and environments, their process tree) set it. A forked rank's resident memory includes the
+launcher's pages: the tests of memory (test_scale.py) read what a run adds over its start.
 
 The protocol, one JSON object a line: on stdin a request {"argv", "env", "cwd", "stdout",
 "stderr", "status", "script", "new_session"}; on stdout the child's {"pid"}. When a child ends,

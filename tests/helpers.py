@@ -194,7 +194,7 @@ class Command:
 # tests/cli_server.py forks the ranks a command starts through torchrun from the command
 # itself; in an environment with this, torchrun starts them as it does for users, as fresh
 # interpreters: for the tests that look at ranks from outside (their command line and
-# environment, their process tree, their resident memory).
+# environment, their process tree).
 FRESH_RANKS = {"ACCEL_SUITE_FRESH_RANKS": "1"}
 
 
