@@ -137,6 +137,17 @@ def _run_child(request: dict, imported_env: dict[str, str], replies) -> None:
             os._exit(code)
 
 
+def wait_polling(process, timeout: float | None) -> int:
+    """subprocess.Popen.wait for an object with `poll()` and `args` (ForkedRank here, the
+    suite's helpers.Command): its exit code, or TimeoutExpired past `timeout` seconds."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while process.poll() is None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise subprocess.TimeoutExpired(process.args, timeout)
+        time.sleep(0.05)
+    return process.returncode
+
+
 class ForkedRank:
     """A rank of the launcher in this process, forked from it, with what torchrun uses of the
     subprocess.Popen it would have started: pid, poll, wait (torchrun's handler signals the
@@ -159,12 +170,7 @@ class ForkedRank:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.05)
-        return self.returncode
+        return wait_polling(self, timeout)
 
 
 def _rank(argv: list[str], env: dict[str, str], stdout, stderr) -> None:
