@@ -3,6 +3,7 @@ or Slurm's srun (one task a rank)."""
 
 from __future__ import annotations
 
+import atexit
 import gc
 import json
 import os
@@ -55,7 +56,11 @@ def env_context() -> DistContext:
 
 def init_process_group(ctx: DistContext, timeout_s: float = 300) -> None:
     """NCCL on CUDA, gloo on CPU; a no-op for a single process. The rank and world size are
-    passed (srun sets no RANK); MASTER_ADDR and MASTER_PORT come from the environment."""
+    passed (srun sets no RANK); MASTER_ADDR and MASTER_PORT come from the environment.
+
+    The group made here is destroyed at exit if the script has not done so itself: a user's
+    script that ends without `destroy_process_group` would otherwise leave gloo's threads to the
+    interpreter's teardown, which can abort the process (see `destroy_process_group`)."""
     if not ctx.distributed or dist.is_initialized():
         return
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -65,6 +70,7 @@ def init_process_group(ctx: DistContext, timeout_s: float = 300) -> None:
         world_size=ctx.world_size,
         timeout=timedelta(seconds=timeout_s),
     )
+    atexit.register(destroy_process_group)  # a no-op once the group is gone
 
 
 def destroy_process_group() -> None:

@@ -5,9 +5,13 @@ part of the same global batches; writes the losses and final weights to OUT.
     torchrun --nproc_per_node 2 -m tests.api_replicas eager 1 OUT [SHARD]
 
 It saves its checkpoint through the API to OUT/checkpoint (a folder when sharded over ranks).
+Like many scripts, it never destroys its process group: at its exit each rank writes to
+OUT/exit_RANK.json whether the group was still there when its own exit functions ran.
 """
 
+import atexit
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -18,9 +22,22 @@ import accel
 from tests.helpers import Net, api_loss_fn, colour_batches, grouped
 
 
+def record_group_at_exit(out: Path) -> None:
+    """Registered before `prepare`, so it runs after whatever exit functions `prepare` adds."""
+
+    def record() -> None:
+        rank = os.environ.get("RANK", "0")
+        still = torch.distributed.is_initialized()
+        (out / f"exit_{rank}.json").write_text(json.dumps({"group_alive": still}))
+
+    atexit.register(record)
+
+
 def main() -> None:
     backend, devices, out = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3])
     shard = sys.argv[4] if len(sys.argv) > 4 else "none"
+    out.mkdir(parents=True, exist_ok=True)
+    record_group_at_exit(out)
     torch.manual_seed(0)
     model = Net()
     engine = accel.prepare(
@@ -33,7 +50,6 @@ def main() -> None:
     losses = [r.loss for r in engine.fetch([engine.step(*b) for b in engine.loader(mine)])]
     state = engine.runner.checkpoint_state()["model"]
     state = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in state.items()}
-    out.mkdir(parents=True, exist_ok=True)
     engine.save(out / "checkpoint")
     if rank == 0:
         weights = {n: t.float().flatten()[:4].tolist() for n, t in state.items()}
