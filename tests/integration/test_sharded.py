@@ -19,6 +19,7 @@ from accel.amp import amp_policy
 from accel.distributed import destroy_process_group
 from accel.models.factory import ModelConfig, create_model
 from accel.parallel import fsdp
+from accel.runs import in_use
 from tests import nan_model
 from tests.helpers import (
     ROOT,
@@ -107,7 +108,13 @@ def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tm
         time.sleep(0.05)
     os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
-    assert not (done.parents[1] / "summary.json").exists()  # killed before the end
+    # The ranks are torchrun's children in sessions of their own: they die with the launcher
+    # (PR_SET_PDEATHSIG), a moment later; rank 0 holds the run folder's lock until it is gone.
+    run = done.parents[1]
+    while in_use(run):
+        assert time.monotonic() < deadline, f"rank 0 outlived its launcher: {in_use(run)}"
+        time.sleep(0.05)
+    assert not (run / "summary.json").exists()  # killed before the end
     resumed = _run(tmp_path, "--nproc_per_node", "2", "--shard", "full", "--resume", "auto")
     assert resumed["losses"] == sharded["losses"]
     assert resumed["eval_loss_ema"] == sharded["eval_loss_ema"]
