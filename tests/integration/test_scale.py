@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 
 from tests.helpers import train_cli
@@ -46,14 +47,16 @@ def _drop_checkpoints(output: Path, keep: Path | None = None) -> None:
 
 # Each run saves what it trains (3.6 GB for ViT-L, 4.6 GB for the million-class head), and every
 # save ends in fsync: on this suite's disk, a minute of the module's time. Where /dev/shm (memory)
-# has room the runs write there instead, as fast as memory; the folder goes with the module.
-SHM, SHM_NEEDED = Path("/dev/shm"), 12 * 2**30
+# has room the runs write there instead, as fast as memory; the folder goes with the module. Its
+# files take memory the runs need too: at most two checkpoints at once, beside 4 ranks' state.
+SHM, SHM_NEEDED, MEMORY_NEEDED = Path("/dev/shm"), 12 * 2**30, 16 * 2**30
 
 
 @pytest.fixture(scope="module")
 def scratch(tmp_path_factory) -> Iterator[Callable[[str], Path]]:
     """scratch(name): a new empty folder for a run's output, in memory where there is room."""
     room = SHM.is_dir() and shutil.disk_usage(SHM).free >= SHM_NEEDED
+    room = room and psutil.virtual_memory().available >= MEMORY_NEEDED
     base = Path(tempfile.mkdtemp(prefix="accel-scale-", dir=SHM)) if room else None
     try:
         if base is None:
