@@ -46,7 +46,7 @@ def _drop_checkpoints(output: Path, keep: Path | None = None) -> None:
 
 
 # Each run saves what it trains (3.6 GB for ViT-L, 4.6 GB for the million-class head), and every
-# save ends in fsync: on this suite's disk, a minute of the module's time. Where /dev/shm (memory)
+# save ends in fsync: on this suite's disk, about 25 s of the module's time. Where /dev/shm (memory)
 # has room the runs write there instead, as fast as memory; the folder goes with the module. Its
 # files take memory the runs need too: at most two checkpoints at once, beside 4 ranks' state.
 SHM, SHM_NEEDED, MEMORY_NEEDED = Path("/dev/shm"), 12 * 2**30, 16 * 2**30
