@@ -90,7 +90,7 @@ def test_resuming_a_sharded_checkpoint_into_another_job_names_the_keys(eager_run
 def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tmp_path):
     _, sharded = eager_runs["full"]
     job = [*JOB, "--nproc_per_node", "2", "--shard", "full", "--output", str(tmp_path)]
-    # Its own session, so that SIGKILL reaches the launcher and both ranks at once.
+    # Its own session, so that SIGKILL of its group reaches the launcher and not the suite.
     proc = subprocess.Popen(
         cli_command(*job, "--run_name", "r"),
         cwd=ROOT,
