@@ -1,133 +1,168 @@
 """A process that has imported torch, timm, torch_xla, JAX and accel once, and forks a fresh
-child for each command of the suite that runs the command line or a script (tests/helpers.py:
-run_cli, start_cli, run_script).
+child for each Python command of the suite (tests/helpers.py: Command, run_cli, start_cli,
+run_script, run_module).
 
 Each child is a process of its own, as `python -m accel.launch_single_task ...` would be: its own
 environment, working folder, stdout and stderr files, signals and exit code. What it skips is
-the interpreter's start and the imports, several seconds of each of the suite's hundred-odd
+the interpreter's start and the imports, several seconds of each of the suite's hundreds of
 launches. Nothing here has started a thread or a runtime when it forks: torch_xla's runtime and
 JAX's platforms start on first use, in the child, which reads its own environment then.
 
-The ranks such a command starts through torchrun (`--nproc_per_node`, `--nnodes`) are forked from
-it the same way, instead of torchrun starting `python -m accel.launch_single_task` afresh for
-each (ForkedRank): the launcher has started no runtime either, only torchrun's rendezvous store,
-which a rank never touches. A command whose environment sets FRESH_RANKS gets torchrun's own
-fresh interpreters, as users do: the tests that look at the ranks from outside (their command
-lines and environments, their process tree) set it. A forked rank's resident memory includes the
-launcher's pages: the tests of memory (test_scale.py) read what a run adds over its start.
+The Python programs such a command starts in turn through subprocess are forked from it the same
+way (fork_python_children): the ranks torchrun starts (`--nproc_per_node`, `--nnodes`),
+`--compare`'s launches, bench/gpu_check.py's stages and the launches of the bench scripts they
+run. Only the project's own programs, pytest and torchrun are forked, and only while the command
+is still fit to fork (fit_to_fork); anything else starts as it would. A command whose
+environment sets FRESH_RANKS gets fresh interpreters for all of them, as users do: the tests that
+look at ranks from outside (their command lines and environments, their process tree) set it.
+A forked rank's resident memory includes the launcher's pages: the tests of memory
+(test_scale.py) read what a run adds over its start.
 
-The protocol, one JSON object a line: on stdin a request {"argv", "env", "cwd", "stdout",
-"stderr", "status", "script", "new_session"}; on stdout the child's {"pid"}. When a child ends,
-its wait status is written to the request's "status" file (atomically), which is how the suite
-polls it: the child is this server's, not the suite's, so only this server can wait for it.
+The protocol, one JSON object a line: on stdin a request {"python" (the command line after the
+interpreter), "env", "cwd", "stdout", "stderr", "status", "new_session"}; on stdout the child's
+{"pid"}. When a child ends, its wait status is written to the request's "status" file
+(atomically), which is how the suite polls it: the child is this server's, not the suite's, so
+only this server can wait for it.
 """
 
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import importlib
+import inspect
 import io
 import json
 import os
 import runpy
 import select
 import signal
+import stat
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from typing import NoReturn
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCHER = "accel.launch_single_task"
 # What every launch imports. Not torchax (accel.backends.jax): it registers its "jax" device as
 # torch's PrivateUse1 backend, after which torch.distributed's barrier fails ("Please register
 # PrivateUse1HooksInterface"), so it would break the eager ranks forked from here; a jax
 # command imports it itself (half a second).
-PRELOAD = ("torch", "torchvision", "timm", "jax", "torch_xla", "accel.launch_single_task")
+PRELOAD = ("torch", "torchvision", "timm", "jax", "torch_xla", LAUNCHER)
 PRELOAD += ("accel.train", "accel.compare", "accel.engine")
 PRELOAD += ("accel.backends.eager", "accel.backends.compile", "accel.backends.xla")
+# The programs forked rather than started afresh: the project's own, pytest and torchrun. Others
+# (torch.compile's pool of compile workers, a user's script outside the project) start afresh.
+FORKED_MODULES = ("accel", "bench", "tests", "examples", "pytest", "torch.distributed.run")
 # huggingface_hub reads these as it is imported: a command that sets one starts afresh.
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_")
-# Set in a command's environment: its ranks start as fresh interpreters (helpers.FRESH_RANKS).
+# Set in a command's environment: the Python programs it starts (its ranks) are fresh
+# interpreters (helpers.FRESH_RANKS).
 FRESH_RANKS = "ACCEL_SUITE_FRESH_RANKS"
-RANK_COMMAND = ("-u", "-m", "accel.launch_single_task")  # how torchrun starts a rank
-
 
 START_ENV = dict(os.environ)
+IMPORTED_ENV: dict[str, str] = {}  # what PRELOAD's imports put in the environment (preload)
+THREADS = 1  # torch's intra-op threads in a fresh interpreter here (preload)
 
 
-def preload() -> dict[str, str]:
-    """Import PRELOAD; what the imports put in the environment, which a child's environment
-    gets too unless it says otherwise (as a fresh process's imports would do)."""
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """What `python [-u] (-m MODULE | SCRIPT) ARGS...` runs."""
+
+    args: tuple[str, ...]
+    module: str | None = None
+    script: str | None = None
+    unbuffered: bool = False
+
+    @classmethod
+    def parse(cls, words: list[str]) -> Program | None:
+        """The program of a command line's words after the interpreter; None for any other form
+        (`-c`, interpreter options besides -u)."""
+        unbuffered = False
+        while words[:1] == ["-u"]:
+            unbuffered, words = True, words[1:]
+        if len(words) >= 2 and words[0] == "-m":
+            return cls(tuple(words[2:]), module=words[1], unbuffered=unbuffered)
+        if words and not words[0].startswith("-"):
+            return cls(tuple(words[1:]), script=words[0], unbuffered=unbuffered)
+        return None
+
+    def words(self) -> list[str]:
+        """The command line after the interpreter."""
+        head = ["-m", self.module] if self.module else [self.script]
+        return ["-u"] * self.unbuffered + head + list(self.args)
+
+    def forked_from(self, cwd: str) -> bool:
+        """Whether this server forks it (FORKED_MODULES, or a script inside the project)."""
+        if self.module:
+            return any(self.module == m or self.module.startswith(f"{m}.") for m in FORKED_MODULES)
+        path = os.path.realpath(os.path.join(cwd, self.script))
+        return path.startswith(ROOT + os.sep) and path.endswith(".py")
+
+    def run(self) -> int:
+        """Run it in this process as the interpreter would; its exit code."""
+        try:
+            if self.module == LAUNCHER:
+                launcher = sys.modules[LAUNCHER]
+                sys.argv = [launcher.__file__, *self.args]
+                launcher.START = time.perf_counter()  # its time to the first step counts from here
+                return launcher.main(list(self.args))
+            if self.module:
+                sys.argv = ["-m", *self.args]  # runpy puts the module's file first
+                sys.path.insert(0, os.getcwd())
+                runpy.run_module(self.module, run_name="__main__", alter_sys=True)
+            else:
+                sys.argv = [self.script, *self.args]
+                sys.path.insert(0, os.path.dirname(os.path.abspath(self.script)))
+                runpy.run_path(self.script, run_name="__main__")
+            return 0
+        except SystemExit as exit_:
+            code = exit_.code
+            if code is None or isinstance(code, int):
+                return code or 0
+            print(code, file=sys.stderr)
+            return 1
+        except BaseException:  # as the interpreter does: the traceback, exit 1
+            traceback.print_exc()
+            return 1
+
+
+def preload() -> None:
+    """Import PRELOAD, and note what a fresh interpreter here starts with that a child must get
+    too: the variables the imports set (unless its environment says otherwise), torch's threads."""
+    global THREADS
     before = dict(os.environ)
     from accel.backends.quiet import quiet_imports
 
     with quiet_imports():
         for name in PRELOAD:
             importlib.import_module(name)
-    return {k: v for k, v in os.environ.items() if before.get(k) != v}
+    IMPORTED_ENV.update({k: v for k, v in os.environ.items() if before.get(k) != v})
+    THREADS = sys.modules["torch"].get_num_threads()
 
 
-def _redirect(fd: int, path: str) -> None:
-    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    os.dup2(target, fd)
-    os.close(target)
-
-
-def _child(request: dict, imported_env: dict[str, str]) -> int:
-    """Become the requested command; its exit code."""
-    os.chdir(request["cwd"])
-    if request.get("new_session"):  # as subprocess.Popen(start_new_session=True)
-        os.setsid()
-    os.environ.clear()
-    os.environ.update(request["env"])
-    for key, value in imported_env.items():
-        os.environ.setdefault(key, value)
-    torch_xla = sys.modules["torch_xla"]
-    torch_xla._setup_default_env()  # what its import does to this environment (XLA_FLAGS)
-    torch_xla._setup_xla_flags()
-    devnull = os.open(os.devnull, os.O_RDONLY)
-    os.dup2(devnull, 0)
-    _redirect(1, request["stdout"])
-    _redirect(2, request["stderr"])
-    sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own streams)
-    sys.stdout = open(1, "w", closefd=False)  # noqa: SIM115
-    sys.stderr = open(2, "w", closefd=False)  # noqa: SIM115
-    script = request.get("script")
-    if any(k.startswith(READ_AT_IMPORT) and v != START_ENV.get(k) for k, v in os.environ.items()):
-        command = [script] if script else ["-m", "accel.launch_single_task"]
-        os.execv(sys.executable, [sys.executable, *command, *request["argv"]])
-    if os.environ.get(FRESH_RANKS) is None:
-        fork_ranks()
-    return _main(request["argv"], script)
-
-
-def _main(argv: list[str], script: str | None) -> int:
-    """Run the launcher (or `script`) with `argv` in this process, as the interpreter would: its
-    exit code."""
-    launcher = sys.modules["accel.launch_single_task"]
-    sys.argv = [script or launcher.__file__, *argv]
-    launcher.START = time.perf_counter()  # its time to the first step counts from here
-    try:
-        if script:
-            sys.path.insert(0, os.path.dirname(os.path.abspath(script)))
-            runpy.run_path(script, run_name="__main__")
-            return 0
-        return launcher.main(argv)
-    except SystemExit as exit_:
-        code = exit_.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    except BaseException:  # as the interpreter does: the traceback, exit 1
-        traceback.print_exc()
-        return 1
-
-
-def _run_child(request: dict, imported_env: dict[str, str], replies) -> None:
+def become(program: Program, env: dict[str, str], cwd: str | None, new_session: bool) -> NoReturn:
+    """Turn this just-forked process into `program` started with `env` in `cwd`, as a fresh
+    `python ...` would be, run it and exit with its code. Its standard streams are in place."""
     code = 1
     try:
-        os.close(replies.fileno())  # the server's, not the command's
-        code = _child(request, imported_env)
+        if new_session:  # as subprocess.Popen(start_new_session=True)
+            os.setsid()
+        if cwd:
+            os.chdir(cwd)
+        _default_signals()
+        atexit._clear()  # the forking process's, not the program's
+        _adopt_environment(env)
+        if any(k.startswith(READ_AT_IMPORT) and v != START_ENV.get(k) for k, v in env.items()):
+            os.execv(sys.executable, [sys.executable, *program.words()])
+        unbuffered = program.unbuffered or bool(os.environ.get("PYTHONUNBUFFERED"))
+        sys.stdin = open(0, closefd=False)  # noqa: SIM115 (the process's own streams)
+        sys.stdout, sys.stderr = _stream(1, unbuffered), _stream(2, unbuffered)
+        fork_python_children(os.environ.get(FRESH_RANKS) is None)
+        code = program.run()
     finally:
         try:
             atexit._run_exitfuncs()  # what the interpreter would run on its way out
@@ -137,88 +172,172 @@ def _run_child(request: dict, imported_env: dict[str, str], replies) -> None:
             os._exit(code)
 
 
+def _default_signals() -> None:
+    """The handlers an interpreter starts with: Python's handlers reset (ignored signals stay
+    ignored, as across exec)."""
+    signal.set_wakeup_fd(-1)
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except ValueError:
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _adopt_environment(env: dict[str, str]) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    for key, value in IMPORTED_ENV.items():
+        os.environ.setdefault(key, value)
+    torch_xla = sys.modules["torch_xla"]
+    torch_xla._setup_default_env()  # what its import does to this environment (XLA_FLAGS)
+    torch_xla._setup_xla_flags()
+    # torchrun's 1 a rank, which torch reads only as it starts. Set only where it changes: setting
+    # starts a thread of OpenMP's, after which this process is no longer fit to fork.
+    torch, threads = sys.modules["torch"], int(env.get("OMP_NUM_THREADS", THREADS))
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+
+
+def _stream(fd: int, unbuffered: bool) -> io.TextIOWrapper:
+    if unbuffered:  # `python -u`, as torchrun starts a rank
+        return io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), write_through=True)
+    return open(fd, "w", closefd=False)
+
+
+# --- the Python programs a command starts -----------------------------------------------------
+_EXECUTE_CHILD = subprocess.Popen._execute_child
+_SIGNATURE = inspect.signature(_EXECUTE_CHILD)
+
+
+def fork_python_children(fork: bool = True) -> None:
+    """From now on, subprocess.Popen in this process forks the Python programs this server
+    forks (Program.forked_from) instead of starting fresh interpreters; other commands, and any
+    while this process is unfit to fork, start as usual. With `fork` false, all start afresh."""
+    subprocess.Popen._execute_child = _execute_child if fork else _EXECUTE_CHILD
+
+
+def fit_to_fork() -> bool:
+    """Whether a child forked now can run as a fresh interpreter would. Not once torch's OpenMP
+    pool has run here: its threads are not copied, and the child's first parallel region waits
+    for them forever. Its threads are native and take the name of the thread that started them;
+    Python's own threads and those that name themselves (torch's TCP store: 'pt_tcpstore_uv')
+    do not hold a child up."""
+    own = threading.get_native_id()
+    python = {t.native_id for t in threading.enumerate()}
+    name = _thread_name(own)
+    return not any(
+        int(tid) != own and int(tid) not in python and _thread_name(int(tid)) == name
+        for tid in os.listdir("/proc/self/task")
+    )
+
+
+def _thread_name(tid: int) -> str | None:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f.read().strip()
+    except OSError:  # ended meanwhile
+        return None
+
+
+def _execute_child(popen: subprocess.Popen, *args, **kwargs) -> None:
+    """subprocess.Popen's start of its child, forking a Python program this server forks."""
+    call = _SIGNATURE.bind(popen, *args, **kwargs).arguments
+    found = _forked_program(call)
+    if found is None:
+        return _EXECUTE_CHILD(popen, *args, **kwargs)
+    program, cwd = found
+    env = dict(os.environ if call["env"] is None else call["env"])
+    ends = [call[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")]
+    sys.stdout.flush()  # what this process has written is not the child's to write again
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            _take_streams(call["p2cread"], call["c2pwrite"], call["errwrite"])
+            become(program, env, cwd, call["start_new_session"])
+        finally:
+            os._exit(1)
+    popen.pid = pid
+    popen._child_created = True
+    popen._close_pipe_fds(*ends)
+
+
+def _forked_program(call: dict) -> tuple[Program, str] | None:
+    """(the program, its folder) where the call starts one this server forks, else None."""
+    args = call["args"]
+    if call["shell"] or isinstance(args, str | bytes | os.PathLike):
+        return None
+    words = [os.fsdecode(w) for w in args]
+    if call["executable"] is not None and os.fsdecode(call["executable"]) != words[0]:
+        return None
+    if not words or os.path.abspath(words[0]) != sys.executable:
+        return None
+    plain = call["preexec_fn"] is None and not call["pass_fds"] and call["umask"] < 0
+    plain &= call["uid"] is None and call["gid"] is None and call["gids"] is None
+    plain &= call["process_group"] in (None, -1)
+    cwd = os.fsdecode(call["cwd"]) if call["cwd"] is not None else os.getcwd()
+    program = Program.parse(words[1:])
+    if not plain or program is None or not program.forked_from(cwd) or not fit_to_fork():
+        return None
+    return program, cwd
+
+
+def _take_streams(stdin: int, stdout: int, stderr: int) -> None:
+    """The child's standard streams from subprocess's ends (-1: this process's own), and no other
+    pipe or socket of this process (as Popen's close_fds): a pipe's write end held here would
+    keep its reader from ever seeing its end."""
+    wanted = {0: stdin, 1: stdout, 2: stderr}
+    copies = {target: os.dup(fd) for target, fd in wanted.items() if fd != -1}
+    for target, copy in copies.items():
+        os.dup2(copy, target)
+        os.close(copy)
+    devnull = os.open(os.devnull, os.O_RDWR)
+    for name in os.listdir("/proc/self/fd"):
+        fd = int(name)
+        if fd <= 2 or fd == devnull:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:  # the listing's own descriptor, closed
+            continue
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            os.dup2(devnull, fd)  # the number stays taken: an object here may still close it
+    os.close(devnull)
+
+
+# --- the server -------------------------------------------------------------------------------
+def _redirect(fd: int, path: str) -> None:
+    target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(target, fd)
+    os.close(target)
+
+
+def _run_child(request: dict, replies) -> NoReturn:
+    try:
+        os.close(replies.fileno())  # the server's, not the command's
+        devnull = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(devnull, 0)
+        os.close(devnull)
+        _redirect(1, request["stdout"])
+        _redirect(2, request["stderr"])
+        program = Program.parse(request["python"])
+        become(program, request["env"], request["cwd"], request.get("new_session", False))
+    finally:
+        os._exit(1)
+
+
 def wait_polling(process, timeout: float | None) -> int:
-    """subprocess.Popen.wait for an object with `poll()` and `args` (ForkedRank here, the
-    suite's helpers.Command): its exit code, or TimeoutExpired past `timeout` seconds."""
+    """subprocess.Popen.wait for an object with `poll()` and `args` (the suite's
+    helpers.Command): its exit code, or TimeoutExpired past `timeout` seconds."""
     deadline = None if timeout is None else time.monotonic() + timeout
     while process.poll() is None:
         if deadline is not None and time.monotonic() > deadline:
             raise subprocess.TimeoutExpired(process.args, timeout)
         time.sleep(0.05)
     return process.returncode
-
-
-class ForkedRank:
-    """A rank of the launcher in this process, forked from it, with what torchrun uses of the
-    subprocess.Popen it would have started: pid, poll, wait (torchrun's handler signals the
-    rank's process group, so the rank starts a session of its own, as there)."""
-
-    def __init__(self, argv: list[str], env: dict[str, str], stdout, stderr):
-        self.args = [sys.executable, *RANK_COMMAND, *argv]
-        self.returncode: int | None = None
-        sys.stdout.flush()  # what the launcher has written is not the rank's to write again
-        sys.stderr.flush()
-        self.pid = os.fork()
-        if self.pid == 0:
-            _rank(argv, env, stdout, stderr)
-
-    def poll(self) -> int | None:
-        if self.returncode is None:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
-            if pid:
-                self.returncode = os.waitstatus_to_exitcode(status)
-        return self.returncode
-
-    def wait(self, timeout: float | None = None) -> int:
-        return wait_polling(self, timeout)
-
-
-def _rank(argv: list[str], env: dict[str, str], stdout, stderr) -> None:
-    """Become the rank: what a fresh `python -u -m accel.launch_single_task` would be, without
-    what the launcher had set up for itself (its signal handlers, its exit functions)."""
-    code = 1
-    try:
-        os.setsid()
-        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
-            signal.signal(sig, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        atexit._clear()
-        os.environ.clear()
-        os.environ.update(env)
-        if "OMP_NUM_THREADS" in env:  # torchrun's 1 a rank, which torch reads only as it starts
-            sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
-        for fd, target in ((1, stdout), (2, stderr)):
-            if target is not None:  # torchrun's --redirects; else the launcher's own streams
-                os.dup2(target.fileno(), fd)
-        sys.stdout = _unbuffered(1)  # `python -u`, as torchrun starts it
-        sys.stderr = _unbuffered(2)
-        code = _main(argv, None)
-    finally:
-        try:
-            atexit._run_exitfuncs()
-            sys.stdout.flush()
-            sys.stderr.flush()
-        finally:
-            os._exit(code)
-
-
-def _unbuffered(fd: int) -> io.TextIOWrapper:
-    return io.TextIOWrapper(open(fd, "wb", buffering=0, closefd=False), write_through=True)
-
-
-def fork_ranks() -> None:
-    """Have torchrun fork the launcher's ranks from this process (ForkedRank) instead of
-    starting fresh interpreters."""
-    from torch.distributed.elastic.multiprocessing.subprocess_handler import SubprocessHandler
-
-    fresh = SubprocessHandler._popen
-
-    def popen(handler, args: tuple, env: dict[str, str]):
-        if tuple(args[1:4]) != RANK_COMMAND:  # another program: as torchrun would
-            return fresh(handler, args, env)
-        return ForkedRank(list(args[4:]), env, handler._stdout, handler._stderr)
-
-    SubprocessHandler._popen = popen
 
 
 def _reap(statuses: dict[int, str]) -> None:
@@ -242,7 +361,7 @@ def serve() -> None:
     # prints is read as a reply.
     replies = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
-    imported_env = preload()
+    preload()
     statuses: dict[int, str] = {}
     requests = sys.stdin.buffer
     while True:
@@ -256,7 +375,7 @@ def serve() -> None:
         request = json.loads(line)
         pid = os.fork()
         if pid == 0:
-            _run_child(request, imported_env, replies)
+            _run_child(request, replies)
         statuses[pid] = request["status"]
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()

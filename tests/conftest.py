@@ -58,6 +58,7 @@ STARTERS = (
     helpers.train_cli,
     helpers.start_cli,
     helpers.run_script,
+    helpers.run_module,
     helpers.run_command,
     helpers.Command,
     helpers.run_python,
@@ -171,7 +172,7 @@ _server_start = helpers._Server.start
 
 def _guarded_server_start(request: dict) -> int:
     if _Guard.item is not None:
-        _refuse(f"a process ({' '.join(map(str, request['argv'][:4]))[:200]} ...)")
+        _refuse(f"a process ({' '.join(map(str, request['python'][:4]))[:200]} ...)")
     return _server_start(request)
 
 

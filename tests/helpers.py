@@ -141,9 +141,10 @@ class _Server:
 
 
 class Command:
-    """A command forked by tests/cli_server.py, with what the suite uses of subprocess.Popen:
-    pid, poll, wait, send_signal, kill, communicate, returncode, and stdout and stderr as text
-    files to read while it runs."""
+    """A Python command forked by tests/cli_server.py, with what the suite uses of
+    subprocess.Popen: pid, poll, wait, send_signal, kill, communicate, returncode, and stdout and
+    stderr as text files to read while it runs. `python -m accel.launch_single_task ARGV` unless
+    `script` (`python SCRIPT ARGV`) or `module` (`python -m MODULE ARGV`) says otherwise."""
 
     def __init__(
         self,
@@ -152,10 +153,12 @@ class Command:
         script: str | None = None,
         cwd: Path = ROOT,
         new_session: bool = False,
+        module: str = "accel.launch_single_task",
     ):
-        self.args = [script, *argv] if script else cli_command(*argv)
-        request = {"argv": argv, "env": {**os.environ, **(env or {})}, "cwd": str(cwd)}
-        request.update(script=script, new_session=new_session)
+        python = [script, *argv] if script else ["-m", module, *argv]
+        self.args = [sys.executable, *python]
+        request = {"python": python, "env": {**os.environ, **(env or {})}, "cwd": str(cwd)}
+        request.update(new_session=new_session)
         self.pid = _Server.start(request)  # which adds the paths of its files
         self._status = Path(request["status"])
         self.stdout = open(request["stdout"])  # noqa: SIM115 (closed by communicate)
@@ -186,9 +189,9 @@ class Command:
         return out, err
 
 
-# tests/cli_server.py forks the ranks a command starts through torchrun from the command
-# itself; in an environment with this, torchrun starts them as it does for users, as fresh
-# interpreters: for the tests that look at ranks from outside (their command line and
+# tests/cli_server.py forks the Python programs a command starts (torchrun's ranks among them)
+# from the command itself; in an environment with this, they start as they do for users, as
+# fresh interpreters: for the tests that look at ranks from outside (their command line and
 # environment, their process tree).
 FRESH_RANKS = {"ACCEL_SUITE_FRESH_RANKS": "1"}
 
@@ -220,6 +223,14 @@ def run_script(
 ) -> subprocess.CompletedProcess:
     """`python SCRIPT ARGS` in a process of its own, forked ready-imported (as run_cli)."""
     return run_command(Command(list(args), env, str(Path(cwd) / script), cwd), timeout)
+
+
+def run_module(
+    module: str, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """`python -m MODULE ARGS` (torchrun is `torch.distributed.run`) in the project root, in a
+    process of its own, forked ready-imported (as run_cli)."""
+    return run_command(Command(list(args), env, module=module), timeout)
 
 
 def train_cli(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:

@@ -3,26 +3,20 @@ torchrun with 2 processes (gloo), an xla SPMD mesh of 2 devices, jax over 2 devi
 replicated and sharded (shard="full"), whose checkpoint loads into one replica."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 import accel
-from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, Net, api_loss_fn, xla_flags
+from tests.helpers import HAS_XLA, TWO_HOST_DEVICES, Net, api_loss_fn, run_module, xla_flags
 
 pytestmark = pytest.mark.slow
-SCRIPT = ("-m", "tests.api_replicas")
+SCRIPT = "tests.api_replicas"  # a user's script, run as `python -m tests.api_replicas ...`
 
 
-def run(cmd: list[str], out, env: dict | None = None) -> dict:
-    done = subprocess.run(
-        cmd, cwd=ROOT, env={**os.environ, **(env or {})}, capture_output=True, text=True,
-        timeout=600,
-    )  # fmt: skip
+def run(module: str, *args: str, out: Path, env: dict | None = None) -> dict:
+    done = run_module(module, *args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
@@ -30,7 +24,7 @@ def run(cmd: list[str], out, env: dict | None = None) -> dict:
 @pytest.fixture(scope="module")
 def one_replica(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    return run([sys.executable, *SCRIPT, "eager", "1", str(out)], out)
+    return run(SCRIPT, "eager", "1", str(out), out=out)
 
 
 def close(a: dict, b: dict, tolerance: float) -> None:
@@ -51,9 +45,10 @@ def loaded_weights(checkpoint: Path, backend: str) -> dict:
 
 @pytest.mark.parametrize("shard", ["none", "full"])
 def test_two_processes_under_torchrun_equal_one(one_replica, tmp_path, shard):
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone"]
-    cmd = [*torchrun, "--nproc_per_node", "2", *SCRIPT, "eager", "1", str(tmp_path), shard]
-    result = run(cmd, tmp_path)
+    torchrun = ("--standalone", "--nproc_per_node", "2", "-m", SCRIPT)
+    result = run(
+        "torch.distributed.run", *torchrun, "eager", "1", str(tmp_path), shard, out=tmp_path
+    )
     close(result, one_replica, 1e-6)
     # The script never destroys its group; accel does before the interpreter's teardown, where
     # gloo's threads could abort the rank (exit -6, "terminate called without an active exception")
@@ -79,8 +74,7 @@ def test_two_devices_of_one_process_equal_one_replica(one_replica, tmp_path, bac
     if backend == "xla" and not HAS_XLA:
         pytest.skip("torch_xla is not installed")
     env = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES), "PJRT_DEVICE": "CPU"}
-    cmd = [sys.executable, *SCRIPT, backend, "2", str(tmp_path), shard]
-    result = run(cmd, tmp_path, env)
+    result = run(SCRIPT, backend, "2", str(tmp_path), shard, out=tmp_path, env=env)
     close(result, one_replica, 1e-5)
     assert result["shard"] == shard
     if shard == "full" and backend == "jax":  # the weights and moments split over the devices

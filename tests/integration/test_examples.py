@@ -3,7 +3,6 @@ gives the same losses on every backend; classic_loop_accel.py gives classic_loop
 
 import difflib
 import json
-import os
 import re
 import shlex
 import subprocess
@@ -11,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, run_script, xla_flags
+from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, run_module, run_script, xla_flags
 
 pytestmark = pytest.mark.slow
 DOCS = ("README.md", "docs/api.md")
@@ -39,12 +38,14 @@ def run(command: str, tmp_path, port: int | None = None) -> dict:
         env[key] = value
     out = tmp_path / words[words.index("--out") + 1]
     words[words.index("--out") + 1] = str(out)
-    if words[0] == "python":  # `python SCRIPT ...`: a process forked ready-imported
+    # A process forked ready-imported: `python SCRIPT ...`, and torchrun as `python -m
+    # torch.distributed.run ...` (what its console script runs), whose ranks are forked too.
+    if words[0] == "python":
         done = run_script(words[1], *words[2:], env=env)
-    else:  # torchrun: this venv's
-        words[0] = os.path.join(os.path.dirname(sys.executable), words[0])
-        env = {**os.environ, **env, **({"PET_MASTER_PORT": str(port)} if port else {})}
-        done = subprocess.run(words, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    else:
+        assert words[0] == "torchrun", command
+        env.update({"PET_MASTER_PORT": str(port)} if port else {})
+        done = run_module("torch.distributed.run", *words[1:], env=env)
     assert done.returncode == 0, f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
     return json.loads((out / "losses.json").read_text())
 

@@ -4,7 +4,6 @@ bit for bit after SIGKILL and load into an unsharded single process."""
 
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -22,10 +21,9 @@ from accel.parallel import fsdp
 from accel.runs import in_use
 from tests import nan_model
 from tests.helpers import (
-    ROOT,
     TWO_HOST_DEVICES,
+    Command,
     checkpoint_tensors,
-    cli_command,
     launch,
     nan_config,
     nan_rank,
@@ -91,15 +89,7 @@ def test_sigkill_of_a_sharded_run_then_resume_auto_is_bit_for_bit(eager_runs, tm
     _, sharded = eager_runs["full"]
     job = [*JOB, "--nproc_per_node", "2", "--shard", "full", "--output", str(tmp_path)]
     # Its own session, so that SIGKILL of its group reaches the launcher and not the suite.
-    proc = subprocess.Popen(
-        cli_command(*job, "--run_name", "r"),
-        cwd=ROOT,
-        env=dict(os.environ),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    proc = Command([*job, "--run_name", "r"], new_session=True)
     done = tmp_path / "vit_micro/eager/r/checkpoints/step_00000002.dcp"
     deadline = time.monotonic() + 300
     while not done.exists():
