@@ -315,16 +315,21 @@ def _redirect(fd: int, path: str) -> None:
     os.close(target)
 
 
-def _run_child(request: dict, replies) -> NoReturn:
+def _run_child(request: dict, replies, session: tuple[int, int] | None) -> NoReturn:
     try:
         os.close(replies.fileno())  # the server's, not the command's
+        if session is not None:  # in a session of its own before its pid is handed out
+            os.setsid()
+            os.close(session[0])
+            os.write(session[1], b"1")
+            os.close(session[1])
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         _redirect(1, request["stdout"])
         _redirect(2, request["stderr"])
         program = Program.parse(request["python"])
-        become(program, request["env"], request["cwd"], request.get("new_session", False))
+        become(program, request["env"], request["cwd"], new_session=False)
     finally:
         os._exit(1)
 
@@ -373,9 +378,16 @@ def serve() -> None:
         if not line:  # the suite has gone
             return
         request = json.loads(line)
+        # A command in a session of its own is there before the suite has its pid: what signals
+        # its process group (jupyter_client, a test's killpg) must not reach the server's.
+        session = os.pipe() if request.get("new_session") else None
         pid = os.fork()
         if pid == 0:
-            _run_child(request, replies)
+            _run_child(request, replies, session)
+        if session is not None:
+            os.close(session[1])
+            os.read(session[0], 1)
+            os.close(session[0])
         statuses[pid] = request["status"]
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()

@@ -142,9 +142,10 @@ class _Server:
 
 class Command:
     """A Python command forked by tests/cli_server.py, with what the suite uses of
-    subprocess.Popen: pid, poll, wait, send_signal, kill, communicate, returncode, and stdout and
-    stderr as text files to read while it runs. `python -m accel.launch_single_task ARGV` unless
-    `script` (`python SCRIPT ARGV`) or `module` (`python -m MODULE ARGV`) says otherwise."""
+    subprocess.Popen: pid, poll, wait, send_signal, terminate, kill, communicate, returncode, and
+    stdout and stderr as text files to read while it runs (stdin is /dev/null).
+    `python -m accel.launch_single_task ARGV` unless `script` (`python SCRIPT ARGV`) or `module`
+    (`python -m MODULE ARGV`) says otherwise."""
 
     def __init__(
         self,
@@ -163,6 +164,7 @@ class Command:
         self._status = Path(request["status"])
         self.stdout = open(request["stdout"])  # noqa: SIM115 (closed by communicate)
         self.stderr = open(request["stderr"])  # noqa: SIM115
+        self.stdin = None
         self.returncode: int | None = None
 
     def poll(self) -> int | None:
@@ -176,6 +178,9 @@ class Command:
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
             os.kill(self.pid, sig)
+
+    def terminate(self) -> None:
+        self.send_signal(signal.SIGTERM)
 
     def kill(self) -> None:
         self.send_signal(signal.SIGKILL)
