@@ -1,3 +1,4 @@
+import gc
 import multiprocessing.process
 import os
 import subprocess
@@ -41,6 +42,11 @@ from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
 from tests import helpers  # noqa: E402
 
 pytest_plugins = ["tests.shared_runs"]
+
+# The imports' half a million objects, out of this process's garbage collections: the in-process
+# runs end in one each (accel.distributed.destroy_process_group), and full ones come round often.
+gc.collect()
+gc.freeze()
 
 NO_XLA = "torch_xla is not installed: its last release (2.9) pairs only with torch 2.9"
 
