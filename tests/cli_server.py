@@ -57,7 +57,7 @@ PRELOAD += ("accel.train", "accel.compare", "accel.engine")
 PRELOAD += ("accel.backends.eager", "accel.backends.compile", "accel.backends.xla")
 # The programs forked rather than started afresh: the project's own, pytest and torchrun. Others
 # (torch.compile's pool of compile workers, a user's script outside the project) start afresh.
-FORKED_MODULES = ("accel", "bench", "tests", "examples", "pytest", "torch.distributed.run")
+FORKED_MODULES = ("accel", "bench", "tests", "pytest", "torch.distributed.run")
 # huggingface_hub reads these as it is imported: a command that sets one starts afresh.
 READ_AT_IMPORT = ("HF_", "HUGGINGFACE_")
 # Set in a command's environment: the Python programs it starts (its ranks) are fresh

@@ -101,10 +101,6 @@ def train(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]
     return read_summary(output), stdout
 
 
-def cli_command(*args: str) -> list[str]:
-    return [sys.executable, "-m", "accel.launch_single_task", *args]
-
-
 class _Server:
     """tests/cli_server.py, started on first use and kept for the session: it forks each command
     from a process that has already imported torch, timm, torch_xla, JAX and accel."""
