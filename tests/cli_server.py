@@ -149,13 +149,31 @@ def preload() -> None:
     gc.freeze()
 
 
-def become(program: Program, env: dict[str, str], cwd: str | None, new_session: bool) -> NoReturn:
+def fork(new_session: bool) -> int:
+    """os.fork(), with the child in a session of its own (as subprocess.Popen's
+    start_new_session) before the parent goes on: what signals the child's process group as soon
+    as it has the pid (jupyter_client, torchrun, a test's killpg) must not reach the parent's."""
+    if not new_session:
+        return os.fork()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        os.close(read)
+        os.write(write, b"1")
+        os.close(write)
+        return 0
+    os.close(write)
+    os.read(read, 1)
+    os.close(read)
+    return pid
+
+
+def become(program: Program, env: dict[str, str], cwd: str | None) -> NoReturn:
     """Turn this just-forked process into `program` started with `env` in `cwd`, as a fresh
     `python ...` would be, run it and exit with its code. Its standard streams are in place."""
     code = 1
     try:
-        if new_session:  # as subprocess.Popen(start_new_session=True)
-            os.setsid()
         if cwd:
             os.chdir(cwd)
         _default_signals()
@@ -258,11 +276,11 @@ def _execute_child(popen: subprocess.Popen, *args, **kwargs) -> None:
     ends = [call[k] for k in ("p2cread", "p2cwrite", "c2pread", "c2pwrite", "errread", "errwrite")]
     sys.stdout.flush()  # what this process has written is not the child's to write again
     sys.stderr.flush()
-    pid = os.fork()
+    pid = fork(call["start_new_session"])
     if pid == 0:
         try:
             _take_streams(call["p2cread"], call["c2pwrite"], call["errwrite"])
-            become(program, env, cwd, call["start_new_session"])
+            become(program, env, cwd)
         finally:
             os._exit(1)
     popen.pid = pid
@@ -276,9 +294,9 @@ def _forked_program(call: dict) -> tuple[Program, str] | None:
     if call["shell"] or isinstance(args, str | bytes | os.PathLike):
         return None
     words = [os.fsdecode(w) for w in args]
-    if call["executable"] is not None and os.fsdecode(call["executable"]) != words[0]:
-        return None
     if not words or os.path.abspath(words[0]) != sys.executable:
+        return None
+    if call["executable"] is not None and os.fsdecode(call["executable"]) != words[0]:
         return None
     plain = call["preexec_fn"] is None and not call["pass_fds"] and call["umask"] < 0
     plain &= call["uid"] is None and call["gid"] is None and call["gids"] is None
@@ -320,34 +338,18 @@ def _redirect(fd: int, path: str) -> None:
     os.close(target)
 
 
-def _run_child(request: dict, replies, session: tuple[int, int] | None) -> NoReturn:
+def _run_child(request: dict, replies) -> NoReturn:
     try:
         os.close(replies.fileno())  # the server's, not the command's
-        if session is not None:  # in a session of its own before its pid is handed out
-            os.setsid()
-            os.close(session[0])
-            os.write(session[1], b"1")
-            os.close(session[1])
         devnull = os.open(os.devnull, os.O_RDONLY)
         os.dup2(devnull, 0)
         os.close(devnull)
         _redirect(1, request["stdout"])
         _redirect(2, request["stderr"])
         program = Program.parse(request["python"])
-        become(program, request["env"], request["cwd"], new_session=False)
+        become(program, request["env"], request["cwd"])
     finally:
         os._exit(1)
-
-
-def wait_polling(process, timeout: float | None) -> int:
-    """subprocess.Popen.wait for an object with `poll()` and `args` (the suite's
-    helpers.Command): its exit code, or TimeoutExpired past `timeout` seconds."""
-    deadline = None if timeout is None else time.monotonic() + timeout
-    while process.poll() is None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise subprocess.TimeoutExpired(process.args, timeout)
-        time.sleep(0.05)
-    return process.returncode
 
 
 def _reap(statuses: dict[int, str]) -> None:
@@ -383,16 +385,9 @@ def serve() -> None:
         if not line:  # the suite has gone
             return
         request = json.loads(line)
-        # A command in a session of its own is there before the suite has its pid: what signals
-        # its process group (jupyter_client, a test's killpg) must not reach the server's.
-        session = os.pipe() if request.get("new_session") else None
-        pid = os.fork()
+        pid = fork(request.get("new_session", False))
         if pid == 0:
-            _run_child(request, replies, session)
-        if session is not None:
-            os.close(session[1])
-            os.read(session[0], 1)
-            os.close(session[0])
+            _run_child(request, replies)
         statuses[pid] = request["status"]
         replies.write(json.dumps({"pid": pid}) + "\n")
         replies.flush()

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import psutil
@@ -22,7 +23,6 @@ from accel.backends.host_reads import HOST_READS
 from accel.config import RunConfig, leaf_fields, replace_path
 from accel.data.config import DataConfig
 from accel.models.factory import ModelConfig
-from tests.cli_server import wait_polling
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -169,7 +169,14 @@ class Command:
         return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
-        return wait_polling(self, timeout)
+        """Its exit code, or TimeoutExpired past `timeout` seconds (polled: the command is the
+        server's child, not this process's)."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.05)
+        return self.returncode
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
