@@ -12,7 +12,6 @@ and the folder takes its name once all have written. Either kind loads into any 
 from __future__ import annotations
 
 import errno
-import json
 import os
 import pickle
 import random
@@ -29,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from accel.config import ConfigError, RunConfig, from_dict, get_path, global_batch, resume_keys
+from accel.config import ConfigError
 from accel.parallel.materialize import local_region
 
 FORMAT = "accel-checkpoint-2"
@@ -329,28 +328,6 @@ def remove_stale_temporaries(run_dir: Path) -> None:
 
 
 # --- what must match to resume -----------------------------------------------------------------
-def resume_mismatches(saved: RunConfig, current: RunConfig, saved_world: int, world: int) -> list:
-    """'key (checkpoint X, now Y)' for every option that shapes the model or orders the data,
-    and for the global batch; a world size that differs is listed last (a warning only)."""
-    found = [
-        f"{k} (checkpoint {get_path(saved, k)}, now {get_path(current, k)})"
-        for k in resume_keys()
-        if get_path(saved, k) != get_path(current, k)
-    ]
-    if global_batch(saved) != global_batch(current):
-        found.append(
-            f"global_batch (checkpoint {global_batch(saved)}, now {global_batch(current)})"
-        )
-    if saved_world != world:
-        found.append(f"world_size (checkpoint {saved_world}, now {world})")
-    return found
-
-
-def saved_config(meta: dict[str, Any]) -> RunConfig:
-    return from_dict(RunConfig, json.loads(meta["config"]))
-
-
-# --- the parts of a checkpoint, and writing and reading them ---------------------------------
 class Stateful(Protocol):
     """One part of a checkpoint (as torch.distributed.checkpoint's Stateful)."""
 
@@ -439,54 +416,3 @@ def saved_rng(path: Path, meta: dict, rank: int, current: Stateful) -> dict | No
     template = {"rng": {f"rank{rank}": {n: torch.empty_like(mine[n]) for n in names}}}
     load_sharded(path, template)
     return template["rng"][f"rank{rank}"]
-
-
-class CheckpointManager:
-    """A run's checkpoints: its parts saved every --save_every steps and at the end, the newest
-    --keep_checkpoints kept, and --resume's checked against the run's config first."""
-
-    def __init__(
-        self, cfg: RunConfig, is_main: bool, rank: int, parts: CheckpointParts, sharded: bool,
-        data_world: int,
-    ):  # fmt: skip
-        self.cfg, self.is_main, self.rank, self.parts = cfg, is_main, rank, parts
-        self.sharded, self.run_dir = sharded, cfg.run_dir()
-        self.data_world = data_world  # data-parallel replicas: what orders the data
-
-    def save(self, step: int) -> Path:
-        """Called on every rank."""
-        meta = {"config": self.cfg.to_json(), "world_size": self.data_world}
-        final = checkpoint_dir(self.run_dir) / f"step_{step:08d}.{'dcp' if self.sharded else 'pt'}"
-        save_checkpoint(final, self.parts, meta, self.is_main, self.rank, self.sharded)
-        if self.is_main:
-            prune(self.run_dir, self.cfg.keep_checkpoints)
-        return final
-
-    def load(self, path: Path) -> None:
-        """Check the checkpoint fits this run, then load every part."""
-        path = Path(path)
-        meta = read_meta(path)
-        problems = []
-        if "config" in meta:  # one the public API saved (Engine.save) holds no options
-            problems = resume_mismatches(
-                saved_config(meta), self.cfg, meta["world_size"], self.data_world
-            )
-        other_world = [p for p in problems if p.startswith("world_size")]
-        problems = [p for p in problems if p not in other_world]
-        if problems:
-            raise CheckpointError(f"cannot resume from {path}: {'; '.join(problems)}")
-        if other_world:
-            warnings.warn(
-                f"resuming at another {other_world[0]}: the weights and optimizer state load "
-                "resharded; the data order differs from the saved run's",
-                stacklevel=2,
-            )
-        load_checkpoint(path, self.parts, meta, self.rank, rng=not other_world)
-
-    def resume_path(self) -> Path | None:
-        """--resume's checkpoint: a path, the newest of this run ('auto'), or none."""
-        if not self.cfg.resume:
-            return None
-        if self.cfg.resume != "auto":
-            return Path(self.cfg.resume)
-        return latest_checkpoint(self.run_dir)

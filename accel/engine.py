@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -34,8 +34,16 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accel.backends import backend_module, refusals
-from accel.backends.base import Backend, BackendUnavailable, LossFn, MetricFn, StepResult
+from accel.backends import backend_module, refusals, resolve_backend
+from accel.backends.base import (
+    Backend,
+    BackendStats,
+    BackendUnavailable,
+    LossFn,
+    MetricFn,
+    ModelInit,
+    StepResult,
+)
 from accel.checkpoint import (
     BackendTensors,
     CheckpointParts,
@@ -46,20 +54,22 @@ from accel.checkpoint import (
 )
 from accel.config import (
     AMP_LEVELS,
-    BACKENDS,
     SHARD_MODES,
-    CompilerConfig,
+    AmpDtype,
+    AmpLevel,
+    BackendConfig,
+    BackendName,
     ConfigError,
-    OptimConfig,
-    ParallelConfig,
-    RunConfig,
+    MeshConfig,
+    ShardMode,
+    StepConfig,
 )
 from accel.distributed import DistContext, init_process_group
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
-from accel.resolve import resolve_backend
 
 AccelError = ConfigError  # every refusal: one line, raised before any weight changes
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
+EmaDecayFn = Callable[[int], float]  # the EMA decay by the optimizer steps done, this one included
 
 
 def cache_dir(backend: str) -> Path:
@@ -78,10 +88,11 @@ def env_int(name: str, default: int) -> int:
 
 
 def choose_backend(requested: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
-    """(backend, why), read as the command line reads it."""
-    env = dict(os.environ) if env is None else env
-    if requested is not None and requested not in BACKENDS:
-        raise AccelError(f"unknown backend '{requested}' (choose from {', '.join(BACKENDS)})")
+    """(backend, why): the name asked for, else ACCEL_BACKEND, else USE_ACCEL=1, else eager.
+
+    >>> choose_backend("jax")
+    ('jax', 'asked for by name')
+    """
     return resolve_backend(requested, env)
 
 
@@ -93,18 +104,23 @@ def prepare(
     schedule: Schedule = None,
     clip_grad: float = 0.0,
     accum: int = 1,
-    amp: str = "O0",
-    amp_dtype: str = "bfloat16",
-    ema: float | None = None,
-    backend: str | None = None,
+    amp: AmpLevel = "O0",
+    amp_dtype: AmpDtype = "bfloat16",
+    ema: float | EmaDecayFn | None = None,
+    backend: BackendName | None = None,
     devices: int | None = None,
-    shard: str = "none",
+    shard: ShardMode = "none",
     seed: int = 0,
     quiet: bool = False,
+    init: ModelInit | None = None,
+    state: LoopPart | None = None,
+    config: BackendConfig | None = None,
 ) -> Engine:
     """Put `model`, `optimizer` and `loss_fn` on the chosen backend; returns the Engine.
 
-    model: any nn.Module (timm, torchvision, your own).
+    model: any nn.Module (timm, torchvision, your own); or one built on the meta device
+        (`with torch.device("meta"):`) with `init` building it with its starting values, so
+        that a sharded layout never holds a whole copy on every rank.
     optimizer: a torch.optim.AdamW, Adam or SGD over the model's parameters, with its param
         groups (their own lr and weight decay; timm's `lr_scale` for layer decay). accel rebuilds
         it over the tensors it updates (jax: translates it to optax); yours is not stepped.
@@ -115,7 +131,8 @@ def prepare(
     clip_grad: the gradients' global norm limit, after the mean over replicas (0: none).
     accum: micro-batches each `step` batch is split into (same result, less memory).
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
-    ema: keep an exponential moving average of the weights with this decay.
+    ema: keep an exponential moving average of the weights with this decay (or a function of
+        the optimizer steps done, this one included, giving it).
     backend: eager, compile, xla or jax (default: ACCEL_BACKEND, USE_ACCEL, else eager).
     devices: devices one process drives (xla's SPMD mesh, jax's local devices; default:
         ACCEL_DEVICES, else 1); under torchrun (eager, compile) each process is one replica.
@@ -126,54 +143,94 @@ def prepare(
         weights from the forward to the backward. With one replica there is nothing to split.
     seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
     quiet: say nothing at start (default: one line naming the backend and why).
+    state: an object with a `step` count and state_dict/load_state_dict (a
+        torch.distributed.checkpoint Stateful) that `save` and `load` carry; its `step` counts
+        the optimizer steps (default: a step count alone).
+    config: every backend setting at once, as the library's typed config (accel.config:
+        StepConfig, MeshConfig and CompilerConfig: the split classifier, the pipeline, remat,
+        compile cache and recompile limits among them); the keywords above then stay unset.
     """
-    name, why = choose_backend(backend)
+    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, devices, shard, seed)
+    if config is not None and given != keyword_config(*KEYWORD_DEFAULTS):
+        raise AccelError("give the backend's settings as config= or as keywords, not both")
+    cfg = config or replace(given, step=replace(given.step, ema=ema is not None))
+    if cfg.step.ema and ema is None:
+        ema = DEFAULT_EMA_DECAY
+    name, why = choose_backend(cfg.backend or None)
     try:
         module = backend_module(name)
     except BackendUnavailable as err:
         raise AccelError(str(err)) from None
+    cfg = settled(cfg, name, ema)
     spec = OptimizerSpec.of(optimizer, model)
     refused = spec.refusals()
     if refused:
         raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
-    if amp not in AMP_LEVELS:
-        raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{amp}'")
-    if devices is None:
-        devices = env_int("ACCEL_DEVICES", 1)
-    if accum < 1 or devices < 1:
-        raise AccelError("accum and devices must be at least 1")
-    if shard not in SHARD_MODES:
-        raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{shard}'")
-    cfg = RunConfig(
-        backend=name,
-        amp_level=amp,
-        amp_dtype=amp_dtype,
-        seed=seed,
-        optim=OptimConfig(
-            clip_grad=clip_grad,
-            grad_accum=accum,
-            model_ema=ema is not None,
-            model_ema_decay=ema if ema is not None else 0.9998,
-        ),
-        parallel=ParallelConfig(nproc_per_node=devices, shard=shard),
-        compiler=CompilerConfig(compile_cache=str(cache_dir(name))),
-    )
     problems = refusals(cfg, module.SUPPORTS)  # what this backend cannot run (e.g. float16)
     if problems:
         raise AccelError(problems[0])
     ctx = module.context(cfg)
     init_process_group(ctx)
     runner = module.build(cfg, ctx)
-    runner.adopt(model, spec, loss_fn)
+    runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
         print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
-    return Engine(runner, ctx, LearningRates(spec, schedule), accum, ema or 0.0)
+    decay = ema if callable(ema) else (ema or 0.0) if cfg.step.ema else 0.0
+    return Engine(runner, ctx, LearningRates(spec, schedule), cfg.step.accum, decay, state)
+
+
+KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", None, "none", 0)  # prepare's own
+DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)
+
+
+def keyword_config(
+    backend: str | None,
+    clip_grad: float,
+    accum: int,
+    amp: str,
+    amp_dtype: str,
+    devices: int | None,
+    shard: str,
+    seed: int,
+) -> BackendConfig:
+    """prepare's keywords as the library's config (checked by `settled`)."""
+    step = StepConfig(amp, amp_dtype, clip_grad, accum, seed=seed)  # type: ignore[arg-type]
+    mesh = MeshConfig(devices=devices or 0, shard=shard)  # type: ignore[arg-type]
+    return BackendConfig(backend or "", step, mesh)  # type: ignore[arg-type]
+
+
+def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> BackendConfig:
+    """`cfg` checked, on backend `name`, with what was left open filled in."""
+    step, mesh = cfg.step, cfg.mesh
+    if step.amp not in AMP_LEVELS:
+        raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{step.amp}'")
+    if mesh.shard not in SHARD_MODES:
+        raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{mesh.shard}'")
+    if isinstance(ema, float | int) and not 0 <= ema < 1:
+        raise AccelError(f"ema is a decay in [0, 1), got {ema}")
+    if not mesh.devices:
+        mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1))
+    if step.accum < 1 or mesh.devices < 1:
+        raise AccelError("accum and devices must be at least 1")
+    compiler = cfg.compiler
+    if not compiler.cache_dir:
+        compiler = replace(compiler, cache_dir=str(cache_dir(name)))
+    return replace(cfg, backend=name, mesh=mesh, compiler=compiler)  # type: ignore[arg-type]
 
 
 class Engine:
-    """A model, optimizer and loss on one backend. Made by `accel.prepare`; the command line's
-    Trainer holds one too, over the backend it set up (its timm model, param groups, soft-target
-    loss, and the split head or pipeline stages where asked)."""
+    """A model, optimizer and loss on one backend, made by `accel.prepare`: steps, fetches,
+    evaluation and checkpoints, the same calls on every backend.
+
+    >>> import torch, accel
+    >>> model = torch.nn.Linear(4, 2)
+    >>> loss_fn = lambda m, batch: torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+    >>> engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+    ...                        backend="eager", quiet=True)
+    >>> handle = engine.step(torch.randn(8, 4), torch.randint(0, 2, (8,)))
+    >>> engine.fetch([handle])[0].applied
+    True
+    """
 
     def __init__(
         self,
@@ -181,12 +238,12 @@ class Engine:
         ctx: DistContext,
         rates: Callable[[int], float | list[float]],
         accum: int = 1,
-        ema: float | Callable[[int], float] = 0.0,
+        ema: float | EmaDecayFn = 0.0,
         state: LoopPart | None = None,
     ):
-        """`rates`: the learning rate(s) of an optimizer step, by the steps done before it.
-        `ema`: the EMA decay (0: none), or a function of the steps done, this one included.
-        `state`: the loop state checkpoints carry, holding the step count (`state.step`)."""
+        """Made by `prepare` (not public). `rates`: the learning rate(s) of an optimizer step,
+        by the steps done before it. `ema`: the EMA decay (0: none), or a function of the steps
+        done, this one included. `state`: the loop state checkpoints carry (`state.step`)."""
         self.runner, self.ctx, self.rates = backend, ctx, rates
         self.accum, self.ema = accum, ema
         self.state = StepCount() if state is None else state
@@ -203,25 +260,54 @@ class Engine:
         return self.runner.name
 
     @property
+    def is_main(self) -> bool:
+        """Whether this is the first process (the one that writes files and prints)."""
+        return self.ctx.is_main
+
+    @property
     def rank(self) -> int:
         """This process's data-parallel rank (0 with one process)."""
         return self.runner.data_parallel[0]
 
     @property
+    def data_ranks(self) -> int:
+        """Processes the data is split over (the ranks of a model-parallel group read the
+        same batches): give each its part, e.g. DistributedSampler(num_replicas=data_ranks,
+        rank=rank)."""
+        return self.runner.data_parallel[1]
+
+    @property
+    def local_devices(self) -> int:
+        """Devices this process feeds: its loader's batch holds one device batch for each."""
+        return self.runner.local_replicas
+
+    @property
     def replicas(self) -> int:
         """How many parts the global batch is split into: processes or devices."""
-        return self.runner.data_parallel[1] * self.runner.local_replicas
+        return self.data_ranks * self.local_devices
+
+    @property
+    def pin_memory(self) -> bool:
+        """Whether a DataLoader feeding `loader` should pin its batches (CUDA copies)."""
+        return self.runner.pin_memory
+
+    @property
+    def sharded_checkpoint(self) -> bool:
+        """Whether `save` writes a folder each rank writes its own part to (DCP), rather than
+        one file from rank 0."""
+        return self.runner.sharded_checkpoint
 
     def loader(self, batches: Iterable[Sequence[torch.Tensor]]) -> Iterator[tuple]:
         """Your loader's batches on the device, prefetched (MpDeviceLoader on xla, a pinned
         side stream on CUDA, sharded device puts on jax). Under several processes each rank
         must read its own part of the data: a DataLoader needs a DistributedSampler."""
-        check_sharded(batches, self.runner.data_parallel[1])
+        check_sharded(batches, self.data_ranks)
         return self.runner.device_batches(tuple(b) for b in batches)
 
     def step(self, *batch: Any) -> Any:
         """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
-        handle that stays on the device until `fetch`."""
+        handle that stays on the device until `fetch`. A batch from `loader` is split into the
+        `accum` micro-batches here; `step(micro_batches=[...])` takes them already split."""
         if len(batch) == 1 and isinstance(batch[0], tuple | list):
             batch = tuple(batch[0])
         try:
@@ -230,9 +316,9 @@ class Engine:
             raise AccelError(str(err)) from None
 
     def step_micro_batches(self, micro_batches: list[Any]) -> Any:
-        """One optimizer step over batches already split for gradient accumulation (device
-        batches from `loader`, as the command line's loop reads them); a handle, as `step`.
-        An op the backend cannot lower raises BackendUnavailable (the launcher's exit 2)."""
+        """One optimizer step over batches already split for gradient accumulation (`accum`
+        device batches from `loader`); a handle, as `step`. An op the backend cannot lower
+        raises BackendUnavailable."""
         done = self.state.step
         self.lr = self.rates(done)
         decay = self.ema(done + 1) if callable(self.ema) else self.ema
@@ -259,7 +345,7 @@ class Engine:
         """Sums of `metric_fn(model, batch)` ({name: tensor}) over the batches and the ranks,
         on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
         of them)."""
-        check_sharded(batches, self.runner.data_parallel[1])
+        check_sharded(batches, self.data_ranks)
         return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
 
     def any_rank(self, flag: bool) -> bool:
@@ -267,31 +353,49 @@ class Engine:
         call it on every rank)."""
         return self.runner.any_rank(flag)
 
+    # --- timing and accounting ------------------------------------------------------------------
+    def synchronize(self) -> None:
+        """Wait for the device work queued so far (to time steps from the host)."""
+        self.runner.synchronize()
+
+    def mark_warmup_done(self) -> None:
+        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles."""
+        self.runner.mark_warmup_done()
+
+    def stats(self) -> BackendStats:
+        """What the backend tells of the run so far: graphs compiled (and after warm-up), compile
+        time, persistent-cache hits, ops run off the compiler, the training state a rank holds,
+        the device's peak memory."""
+        return self.runner.stats()
+
     # --- checkpoints: the command line's format, tensors only ------------------------------------
     def checkpoint_parts(self) -> CheckpointParts:
         """What save and load write and read: the backend's tensors, the loop state (the API's:
         the step count alone) and the random states."""
         return CheckpointParts(BackendTensors(self.runner), self.state, RandomStates(self.runner))
 
-    def save(self, path: str | Path) -> Path:
-        """Weights, optimizer state (by parameter name), EMA, step count and random states, in
-        the command line's format: it loads on any backend and layout, and `launch_single_task
-        --resume` takes it. Call it on every rank. One file written by rank 0, atomically; under
-        torchrun with `shard`, a folder (torch.distributed.checkpoint) each rank writes its
-        shards to, so no rank ever holds the whole state."""
+    def save(self, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+        """Weights, optimizer state (by parameter name), EMA, the loop state and random states,
+        in the command line's format: it loads on any backend and layout, and `launch_single_task
+        --resume` takes it. Call it on every rank. One file written by rank 0, atomically; where
+        `sharded_checkpoint`, a folder (torch.distributed.checkpoint) each rank writes its shards
+        to, so no rank ever holds the whole state. `meta`: small values (strings, numbers) kept
+        beside them, read back by accel.checkpoint.read_meta."""
         path = Path(path)
-        meta = {"world_size": self.replicas}
-        sharded = self.runner.sharded_checkpoint
-        save_checkpoint(path, self.checkpoint_parts(), meta, self.ctx.is_main, self.rank, sharded)
+        meta = {**(meta or {}), "world_size": self.replicas}
+        sharded = self.sharded_checkpoint
+        save_checkpoint(path, self.checkpoint_parts(), meta, self.is_main, self.rank, sharded)
         return path
 
-    def load(self, path: str | Path) -> None:
-        """Load a checkpoint written by `save` or by the command line (any backend), without
-        unpickling anything but tensors."""
+    def load(self, path: str | Path, rng: bool | None = None) -> None:
+        """Load a checkpoint written by `save` or by the command line (any backend, any layout),
+        without unpickling anything but tensors. `rng`: restore the random generators too
+        (default: where the saved run had as many replicas, so their streams carry on)."""
         path = Path(path)
         meta = read_meta(path)
-        same_replicas = meta.get("world_size") == self.replicas  # the random streams carry on
-        load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=same_replicas)
+        if rng is None:
+            rng = meta.get("world_size") == self.replicas
+        load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=rng)
 
 
 class LoopPart(Protocol):

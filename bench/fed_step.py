@@ -20,26 +20,23 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from accel.backends import create_backend  # noqa: E402
-from accel.config import RunConfig  # noqa: E402
-from accel.distributed import DistContext  # noqa: E402
+from accel.cli.config import RunConfig  # noqa: E402
+from accel.cli.job import build_engine  # noqa: E402
 from accel.models.factory import ModelConfig, input_size  # noqa: E402
 
 
 def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int) -> float:
-    backend = create_backend(cfg, DistContext())
-    backend.setup(cfg.model)
+    engine = build_engine(cfg, schedule=lambda step: 1e-4)
     size = input_size(cfg.model)[-1]
     images = torch.randint(0, 256, (cfg.batch_size, 3, size, size), dtype=torch.uint8)
     targets = torch.full((cfg.batch_size, cfg.model.num_classes), 1.0 / cfg.model.num_classes)
-    (batch,) = backend.device_batches([(images, targets)])
-    handles = [backend.train_step([batch], 1e-4) for _ in range(warmup)]
-    backend.fetch_results(handles)
-    backend.synchronize()
+    (batch,) = engine.loader([(images, targets)])
+    engine.fetch([engine.step_micro_batches([batch]) for _ in range(warmup)])
+    engine.synchronize()
     start = time.perf_counter()
-    handles = [backend.train_step([batch], 1e-4) for _ in range(steps)]
-    backend.fetch_results(handles)  # one host sync at the end, as the loop does per group
-    backend.synchronize()
+    handles = [engine.step_micro_batches([batch]) for _ in range(steps)]
+    engine.fetch(handles)  # one host sync at the end, as the loop does per group
+    engine.synchronize()
     return cfg.batch_size * steps / (time.perf_counter() - start)
 
 

@@ -53,7 +53,7 @@ LAUNCHER = "accel.launch_single_task"
 # PrivateUse1HooksInterface"), so it would break the eager ranks forked from here; a jax
 # command imports it itself (half a second).
 PRELOAD = ("torch", "torchvision", "timm", "jax", "torch_xla", LAUNCHER)
-PRELOAD += ("accel.train", "accel.compare", "accel.engine")
+PRELOAD += ("accel.cli.train", "accel.cli.compare", "accel.engine")
 PRELOAD += ("accel.backends.eager", "accel.backends.compile", "accel.backends.xla")
 # The programs forked rather than started afresh: the project's own, pytest and torchrun. Others
 # (torch.compile's pool of compile workers, a user's script outside the project) start afresh.

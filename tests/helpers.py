@@ -20,7 +20,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from accel.backends.host_reads import HOST_READS
-from accel.config import RunConfig, leaf_fields, replace_path
+from accel.cli.config import RunConfig, leaf_fields, replace_path
 from accel.data.config import DataConfig
 from accel.models.factory import ModelConfig
 
@@ -79,7 +79,7 @@ def launch(*args: str, env: dict | None = None) -> tuple[int, str, str]:
     """launch_single_task's main(argv) in this process, where the command line itself is not
     what a test looks at: (exit code, stdout, stderr). One process only: a job of several ranks
     goes through run_cli, and its test is marked slow."""
-    from accel.launch_single_task import main
+    from accel.cli.launch import main
 
     saved = dict(os.environ)
     os.environ.update(env or {})
@@ -266,7 +266,7 @@ def run_cli_without(package: str, *args: str) -> subprocess.CompletedProcess:
     """launch_single_task in a process where `package` cannot be imported (as if not installed)."""
     code = (
         f"import sys; sys.modules[{package!r}] = None; "
-        "from accel.launch_single_task import main; "
+        "from accel.cli.launch import main; "
         f"sys.exit(main({list(args)!r}))"
     )
     return run_python(code)
@@ -482,8 +482,8 @@ def same_state(fa: dict, fb: dict) -> bool:
 
 def nan_rank(rank: int, cfg, port: int) -> None:
     """One of two spawned ranks training `cfg` (the NaN-on-white model, sharded or piped)."""
+    from accel.cli.train import Trainer
     from accel.distributed import DistContext, destroy_process_group, init_process_group
-    from accel.train import Trainer
     from tests import nan_model  # noqa: F401 (registers the model in this spawned process)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
@@ -494,3 +494,20 @@ def nan_rank(rank: int, cfg, port: int) -> None:
         Trainer(cfg, ctx).train()
     finally:
         destroy_process_group()
+
+
+def job_backend(cfg, ctx=None):
+    """The backend of a command-line config with the command line's job adopted, as
+    accel.prepare builds it, for tests that look inside a backend (its layout, its core); `ctx`
+    for a process group the test started itself."""
+    from accel.backends import backend_module
+    from accel.cli.job import adamw, backend_config, run_model
+    from accel.distributed import DistContext
+    from accel.losses import classifier_loss
+    from accel.optim import OptimizerSpec
+
+    model, init = run_model(cfg)
+    spec = OptimizerSpec.of(adamw(model, cfg.optim), model)
+    backend = backend_module(cfg.backend).build(backend_config(cfg), ctx or DistContext())
+    backend.adopt(model, spec, classifier_loss, init)
+    return backend

@@ -1,13 +1,47 @@
-"""Backends by name, and what each supports. Adding one means adding `accel/backends/<name>.py`
-with SUPPORTS, require(), context() and build() (see base.py), and its name to config.BACKENDS."""
+"""Backends by name, what each supports, and which one a process runs. Adding one means adding
+`accel/backends/<name>.py` with SUPPORTS, require(), context() and build() (see base.py), and its
+name to config.BackendName."""
 
 from __future__ import annotations
 
 import importlib
+import os
+from collections.abc import Mapping
+
+import torch
 
 from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supports
-from accel.config import BACKENDS, ConfigError, RunConfig
+from accel.config import BACKENDS, BackendConfig, ConfigError
 from accel.distributed import DistContext
+
+USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
+
+
+def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(backend, why) from a name asked for (`backend=`, `--backend`), else ACCEL_BACKEND, else
+    USE_ACCEL=1 (the XLA compiler: jax on a CUDA GPU, xla elsewhere), else eager.
+
+    >>> resolve_backend(None, {"ACCEL_BACKEND": "jax"})
+    ('jax', 'ACCEL_BACKEND')
+    """
+    env = os.environ if env is None else env
+    raw = env.get("USE_ACCEL", "")
+    if raw.strip().lower() not in USE_ACCEL_VALUES:
+        raise ConfigError(f"USE_ACCEL must be 0, 1, true or false, got '{raw}'")
+    if requested:
+        if requested not in BACKENDS:
+            raise ConfigError(f"unknown backend '{requested}' (choose from {', '.join(BACKENDS)})")
+        return requested, "asked for by name"
+    named = env.get("ACCEL_BACKEND", "").strip()
+    if named:
+        if named not in BACKENDS:
+            raise ConfigError(f"ACCEL_BACKEND must be one of {', '.join(BACKENDS)}, got '{named}'")
+        return named, "ACCEL_BACKEND"
+    if USE_ACCEL_VALUES[raw.strip().lower()]:
+        if torch.cuda.is_available():
+            return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
+        return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
+    return "eager", "default, USE_ACCEL unset"
 
 
 def backend_module(name: str, check: bool = True) -> BackendModule:
@@ -17,27 +51,26 @@ def backend_module(name: str, check: bool = True) -> BackendModule:
     module = importlib.import_module(f"accel.backends.{name}")
     if check:
         module.require()
-    return module
+    return module  # type: ignore[return-value]  # a module that provides BackendModule's names
 
 
-def create_backend(cfg: RunConfig, ctx: DistContext) -> Backend:
+def create_backend(cfg: BackendConfig, ctx: DistContext) -> Backend:
     return backend_module(cfg.backend).build(cfg, ctx)
 
 
-def refusals(cfg: RunConfig, supports: Supports) -> list[str]:
-    """Every option of `cfg` the backend cannot run, one line each (empty: it can run them)."""
-    par, name = cfg.parallel, cfg.backend
+def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
+    """Every setting of `cfg` the backend cannot run, one line each (empty: it can run them)."""
+    step, mesh, name = cfg.step, cfg.mesh, cfg.backend
     checks = [
-        (cfg.amp_level not in supports.amp_levels, "--amp_level " + cfg.amp_level),
+        (step.amp not in supports.amp_levels, "--amp_level " + step.amp),
         (
-            cfg.amp_level != "O0" and cfg.amp_dtype == "float16" and not supports.float16,
+            step.amp != "O0" and step.amp_dtype == "float16" and not supports.float16,
             "--amp_dtype float16",
         ),
-        (par.shard not in supports.shard, "--shard " + par.shard),
-        (par.tp_head > 1 and not supports.tp_head, "--tp_head"),
-        (par.pp > 1 and not supports.pp, "--pp"),
-        (cfg.remat and not supports.remat, "--remat"),
-        (cfg.data.data_device == "gpu" and not supports.data_device_gpu, "--data_device gpu"),
+        (mesh.shard not in supports.shard, "--shard " + mesh.shard),
+        (mesh.tp_head > 1 and not supports.tp_head, "--tp_head"),
+        (mesh.pp > 1 and not supports.pp, "--pp"),
+        (step.remat and not supports.remat, "--remat"),
     ]
     return [
         f"{flag} is not supported by the {name} backend (launch_single_task --backends "
@@ -47,8 +80,8 @@ def refusals(cfg: RunConfig, supports: Supports) -> list[str]:
     ]
 
 
-def check_supported(cfg: RunConfig) -> BackendModule:
-    """The backend's module, once it is known to run here and to support every option given."""
+def check_supported(cfg: BackendConfig) -> BackendModule:
+    """The backend's module, once it is known to run here and to support every setting given."""
     module = backend_module(cfg.backend)
     problems = refusals(cfg, module.SUPPORTS)
     if problems:
@@ -94,5 +127,6 @@ __all__ = [
     "check_supported",
     "create_backend",
     "refusals",
+    "resolve_backend",
     "support_matrix",
 ]

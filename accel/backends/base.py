@@ -16,9 +16,8 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from accel.config import AMP_LEVELS, RunConfig
+from accel.config import AMP_LEVELS, BackendConfig
 from accel.distributed import DistContext
-from accel.models.factory import ModelConfig
 from accel.optim import OptimizerSpec
 
 # uint8 NCHW images, float soft targets, and (with --reprob) int32 [N, K, 6] erasing rectangles
@@ -26,6 +25,8 @@ from accel.optim import OptimizerSpec
 Batch = tuple[torch.Tensor, ...]
 # (model, batch) -> scalar loss: the model is called inside, so every backend can trace it.
 LossFn = Callable[[Callable[..., torch.Tensor], Batch], torch.Tensor]
+# Builds the whole model with its starting values (for a model given on the meta device).
+ModelInit = Callable[[], torch.nn.Module]
 # (model, batch) -> {name: tensor of sums}: evaluation sums, added over batches and ranks.
 MetricFn = Callable[[Callable[..., torch.Tensor], Batch], dict[str, torch.Tensor]]
 
@@ -102,13 +103,18 @@ class Backend(Protocol):
     data_parallel: tuple[int, int]  # (rank, ranks) the data is split over
     sharded_checkpoint: bool  # every rank writes its own part (DCP), or one file from rank 0
 
-    def setup(self, model_cfg: ModelConfig) -> None:
-        """Build the model (only what this rank keeps), the optimizer and the step."""
-
-    def adopt(self, model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
-        """Take a model, optimizer and loss built elsewhere (the public API, accel.engine):
-        `optimizer` describes the user's torch optimizer, which the backend rebuilds (or
-        translates) over the tensors it updates."""
+    def adopt(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerSpec,
+        loss_fn: LossFn,
+        init: ModelInit | None = None,
+    ) -> None:
+        """The one way a model enters a backend (accel.prepare): `optimizer` describes the
+        user's torch optimizer, which the backend rebuilds (or translates) over the tensors it
+        updates. `model` may be on the meta device, with `init` building it whole with its
+        starting values: a split layout allocates only this rank's part and fills it from
+        rank 0's build."""
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
         """Move host batches to the device, prefetching where the backend can."""
@@ -165,9 +171,6 @@ class BackendModule(Protocol):
 
     def require(self) -> None: ...
 
-    def context(self, cfg: RunConfig) -> DistContext: ...
+    def context(self, cfg: BackendConfig) -> DistContext: ...
 
-    def build(self, cfg: RunConfig, ctx: DistContext) -> Backend: ...
-
-
-ReplicaFn = Callable[[int, RunConfig], Any]
+    def build(self, cfg: BackendConfig, ctx: DistContext) -> Backend: ...

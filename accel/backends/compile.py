@@ -11,7 +11,7 @@ import torch
 
 from accel.backends.base import Supports
 from accel.backends.eager import EagerBackend
-from accel.config import RunConfig
+from accel.config import BackendConfig
 from accel.distributed import DistContext, env_context
 
 SUPPORTS = Supports(
@@ -28,12 +28,12 @@ def require() -> None:
     """torch.compile ships with torch."""
 
 
-def context(cfg: RunConfig) -> DistContext:
+def context(cfg: BackendConfig) -> DistContext:
     return env_context()
 
 
-def build(cfg: RunConfig, ctx: DistContext) -> EagerBackend:
-    return EagerBackend(cfg, ctx, compiler=Inductor(cfg.kernel_opt))
+def build(cfg: BackendConfig, ctx: DistContext) -> EagerBackend:
+    return EagerBackend(cfg, ctx, compiler=Inductor(cfg.step.kernel_opt))
 
 
 def frames_compiled() -> int:

@@ -13,13 +13,20 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.amp import amp_policy
-from accel.backends.base import BackendStats, Batch, LossFn, MetricFn, StepResult, Supports
+from accel.backends.base import (
+    BackendStats,
+    Batch,
+    LossFn,
+    MetricFn,
+    ModelInit,
+    StepResult,
+    Supports,
+)
 from accel.backends.torch_core import TorchCore, fused_guard, metric_sums
 from accel.backends.torch_layouts import make_layout
-from accel.config import SHARD_MODES, RunConfig
+from accel.config import SHARD_MODES, BackendConfig
 from accel.distributed import DistContext, env_context
-from accel.models.factory import ModelConfig, meta_model
-from accel.optim import OptimizerSpec, param_groups, parameter_settings
+from accel.optim import OptimizerSpec
 from accel.parallel import effective_shard
 
 SUPPORTS = Supports(
@@ -37,11 +44,11 @@ def require() -> None:
     """Eager needs nothing beyond torch."""
 
 
-def context(cfg: RunConfig) -> DistContext:
+def context(cfg: BackendConfig) -> DistContext:
     return env_context()
 
 
-def build(cfg: RunConfig, ctx: DistContext) -> EagerBackend:
+def build(cfg: BackendConfig, ctx: DistContext) -> EagerBackend:
     return EagerBackend(cfg, ctx)
 
 
@@ -87,12 +94,12 @@ def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Ba
 class EagerBackend:
     local_replicas = 1  # devices this process drives
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, compiler: Compiler | None = None):
+    def __init__(self, cfg: BackendConfig, ctx: DistContext, compiler: Compiler | None = None):
         self.cfg, self.ctx, self.compiler = cfg, ctx, compiler
         self.name = "compile" if compiler else "eager"
-        self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
+        self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_device(ctx)
-        self.shard = effective_shard(cfg.parallel.shard, ctx.world_size)
+        self.shard = effective_shard(cfg.mesh.shard, ctx.world_size)
         self.layout = make_layout(cfg, ctx, self.device, self.amp, self.shard)
         self.data_parallel = self.layout.data_parallel
         self.sharded_checkpoint = self.layout.sharded_checkpoint
@@ -104,37 +111,25 @@ class EagerBackend:
         """Host batches in pinned memory: asynchronous copies to a CUDA device."""
         return self.device.type == "cuda"
 
-    def setup(self, model_cfg: ModelConfig) -> None:
-        modules = self.layout.build(model_cfg)
-        settings = parameter_settings(meta_model(model_cfg), self.cfg.optim)
-        self.attach(modules, lambda named: self.adamw(param_groups(named, settings)), self.loss)
-
-    def adopt(self, model: nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
-        # Fused: one kernel for the update, and it takes `found_inf` (torch_core.fused_guard).
+    def adopt(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerSpec,
+        loss_fn: LossFn,
+        init: ModelInit | None = None,
+    ) -> None:
+        loss_fn = self.layout.loss_fn(loss_fn)  # checked before anything is built
+        modules = self.layout.adopt(model, init)
+        # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`,
+        # which skips a non-finite step on the device (torch_core.fused_guard).
         build = lambda named: optimizer.build(dict(named), fused=True)  # noqa: E731
-        self.attach(self.layout.adopt(model), build, loss_fn)
-
-    def attach(self, modules: list[nn.Module], build_optimizer: Callable, loss_fn: LossFn) -> None:
-        ema = self.cfg.optim.model_ema
-        self.core.attach(modules, build_optimizer, self.layout.classifier(), ema)
+        self.core.attach(modules, build, self.layout.classifier(), self.cfg.step.ema)
         self.layout.attached(self.core)
 
         def forward_loss(*batch: torch.Tensor) -> torch.Tensor:
             return loss_fn(self.layout.forward, batch)
 
         self.forward_loss = self.compiler(forward_loss) if self.compiler else forward_loss
-
-    def loss(self, model: Callable, batch: Batch) -> torch.Tensor:
-        """The command line's loss: soft-target cross-entropy (split where the head is); the
-        batch's random-erasing rectangles, where it has them, go to the model."""
-        images, targets, *extra = batch
-        return self.layout.loss(model(images, *extra), targets)
-
-    def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
-        # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`, which
-        # skips a non-finite step on the device (torch_core.fused_guard).
-        lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         if self.device.type == "cuda":
@@ -147,7 +142,7 @@ class EagerBackend:
         """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0]."""
         loss = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
         loss = self.layout.mean_loss(loss)
-        clip = self.cfg.optim.clip_grad
+        clip = self.cfg.step.clip_grad
         applied = self.core.update(lr, loss, clip, self.layout.grad_norm, ema_decay)
         return torch.stack([loss, applied.float()])
 
@@ -204,5 +199,5 @@ class EagerBackend:
             shard=self.shard,
             state_bytes=self.core.measured,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            details={"tp_head": self.cfg.parallel.tp_head},
+            details={"tp_head": self.cfg.mesh.tp_head},
         )

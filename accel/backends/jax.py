@@ -30,18 +30,18 @@ from accel.backends.base import (
     Batch,
     LossFn,
     MetricFn,
+    ModelInit,
     StepResult,
     Supports,
 )
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.quiet import quiet_imports
 from accel.backends.torchax_compat import not_an_accelerator, removed_ops
-from accel.config import ConfigError, RunConfig
+from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
-from accel.losses import classifier_loss
-from accel.models.factory import ModelConfig, create_model
-from accel.optim import OptimizerSpec, param_groups, parameter_settings
+from accel.optim import OptimizerSpec
 from accel.parallel import effective_shard
+from accel.parallel.materialize import whole
 from accel.versions import installed
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
@@ -100,20 +100,16 @@ def require() -> None:
         os.environ.setdefault(name, value)
 
 
-def build(cfg: RunConfig, ctx: DistContext) -> JaxBackend:
+def build(cfg: BackendConfig, ctx: DistContext) -> JaxBackend:
     return JaxBackend(cfg, ctx)
 
 
 COORDINATION = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
 
 
-def coordination(cfg: RunConfig) -> tuple[str, int, int] | None:
-    """(coordinator, processes, this process) from --nnodes and --master_addr/--rdzv_endpoint,
-    or from the JAX_* variables; None for one process."""
-    par = cfg.parallel
-    if par.nnodes > 1:
-        address = par.rdzv_endpoint or f"{par.master_addr}:{par.master_port}"
-        return address, par.nnodes, par.node_rank
+def coordination() -> tuple[str, int, int] | None:
+    """(coordinator, processes, this process) from the JAX_* variables (the command line sets
+    them from --nnodes and --master_addr/--rdzv_endpoint); None for one process."""
     found = {name: os.environ.get(name) for name in COORDINATION}
     if not any(found.values()):
         return None
@@ -129,22 +125,22 @@ def coordination(cfg: RunConfig) -> tuple[str, int, int] | None:
     )
 
 
-def context(cfg: RunConfig) -> DistContext:
+def context(cfg: BackendConfig) -> DistContext:
     """One process drives its local devices; several processes (hosts) join through
     jax.distributed into one mesh, and each feeds its own shard of the data."""
-    joined = coordination(cfg)
+    joined = coordination()
     if joined and not jax.distributed.is_initialized():
         address, processes, process = joined
         # Collectives between CPU processes go through gloo (JAX has none of its own there).
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
         try:
             jax.distributed.initialize(
-                address, processes, process, initialization_timeout=cfg.parallel.rdzv_timeout
+                address, processes, process, initialization_timeout=cfg.mesh.rdzv_timeout
             )
         except Exception as err:  # JAX raises XlaRuntimeError / RuntimeError subclasses here
             raise ConfigError(
                 f"jax process {process} of {processes} could not join the coordinator at "
-                f"{address} within {cfg.parallel.rdzv_timeout} s ({str(err).splitlines()[0]})"
+                f"{address} within {cfg.mesh.rdzv_timeout} s ({str(err).splitlines()[0]})"
             ) from None
         if jax.process_count() != processes:
             raise ConfigError(f"{processes} jax processes asked for, {jax.process_count()} joined")
@@ -286,19 +282,20 @@ class JaxBackend:
     pin_memory = False  # device_put stages host arrays itself
     sharded_checkpoint = False  # one process holds every array it trains: one file
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext):
-        if cfg.amp_level != "O0" and cfg.amp_dtype != "bfloat16":
+    def __init__(self, cfg: BackendConfig, ctx: DistContext):
+        step = cfg.step
+        if step.amp != "O0" and step.amp_dtype != "bfloat16":
             raise ConfigError("the jax backend does low precision in bfloat16 (--amp_dtype)")
         self.cfg, self.ctx = cfg, ctx
         self.data_parallel = (ctx.rank, ctx.world_size)
-        self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
+        self.amp = amp_policy(step.amp, step.amp_dtype)
         self.precision = Precision.of(self.amp)
         # Before the first compile: JAX reads the cache settings once per process.
-        jax.config.update("jax_compilation_cache_dir", str(cfg.compile_cache_dir()))
+        jax.config.update("jax_compilation_cache_dir", cfg.compiler.cache_dir)
         self.monitor = CompileMonitor.get()
         self.compile_events_at_start = self.monitor.snapshot()
         devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
-        self.local_replicas = cfg.parallel.nproc_per_node
+        self.local_replicas = cfg.mesh.devices
         if self.local_replicas > jax.local_device_count():
             raise ConfigError(
                 f"--nproc_per_node {self.local_replicas} exceeds the {jax.local_device_count()} "
@@ -306,7 +303,7 @@ class JaxBackend:
             )
         self.mesh = Mesh(np.array(devices[: self.local_replicas * jax.process_count()]), ("data",))
         self.replicated = NamedSharding(self.mesh, P())
-        self.shard = effective_shard(cfg.parallel.shard, self.mesh.size)
+        self.shard = effective_shard(cfg.mesh.shard, self.mesh.size)
         if self.shard != "none" and jax.process_count() > 1:
             raise ConfigError("--shard on jax shards over one process's devices, not across hosts")
         with quiet_imports(), removed_ops():  # torchax registers its ops here
@@ -320,19 +317,19 @@ class JaxBackend:
         self.sdpa = torch_sdpa(self.attention)
 
     # --- set-up -------------------------------------------------------------------------------
-    def setup(self, model_cfg: ModelConfig) -> None:
-        """The command line's model, AdamW (timm's param groups) and soft-target loss."""
-        model = create_model(model_cfg, seed=self.cfg.seed)
-        settings = parameter_settings(model, self.cfg.optim)
-        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-        optim = self.cfg.optim  # a description of the optimizer: it never steps
-        adamw = torch.optim.AdamW(param_groups(named, settings), lr=optim.lr, betas=optim.betas)
-        self.adopt(model, OptimizerSpec.of(adamw, model), classifier_loss)
-        self.model_label = model_cfg.name
-
-    def adopt(self, model: torch.nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
+    def adopt(
+        self,
+        model: torch.nn.Module,
+        optimizer: OptimizerSpec,
+        loss_fn: LossFn,
+        init: ModelInit | None = None,
+    ) -> None:
+        model = whole(model, init)
         self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
-        self.model_label = type(model).__name__
+        inner = getattr(model, "model", model)  # a timm model behind accel's normalisation
+        self.model_label = (
+            getattr(inner, "default_cfg", {}).get("architecture") or type(inner).__name__
+        )
         self.optimizer = OptaxGroups(optimizer)
         self.loss_fn = loss_fn
         trained = {n for g in optimizer.groups for n in g.names}
@@ -351,7 +348,7 @@ class JaxBackend:
         self.buffers = jax.device_put(consts, self.replicated)
         self.count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
         # fp32, split as the weights are; an empty tree without --model_ema.
-        self.ema = self.ema_from(params) if self.cfg.optim.model_ema else {}
+        self.ema = self.ema_from(params) if self.cfg.step.ema else {}
         # One compiled program for the whole state: op by op, every distinct shape's zeros would
         # compile a kernel of its own.
         init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
@@ -411,9 +408,9 @@ class JaxBackend:
             self._loss,
             self.optimizer,
             self.mesh,
-            clip_grad=self.cfg.optim.clip_grad,
-            seed=self.cfg.seed,
-            remat=self.cfg.remat,
+            clip_grad=self.cfg.step.clip_grad,
+            seed=self.cfg.step.seed,
+            remat=self.cfg.step.remat,
             grad_shardings=self.param_shardings,
         )
         state_shardings = (self.param_shardings, self.opt_shardings, self.ema_shardings())
@@ -424,7 +421,7 @@ class JaxBackend:
         )
 
     def ema_shardings(self) -> dict:
-        return self.param_shardings if self.cfg.optim.model_ema else {}
+        return self.param_shardings if self.cfg.step.ema else {}
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
         return iter(DevicePrefetcher(batches, self._put, self.cfg.compiler.device_prefetch))

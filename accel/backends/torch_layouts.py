@@ -10,6 +10,7 @@ part and takes its values from the whole model rank 0 initialises (accel/paralle
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -19,14 +20,20 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
-from accel.backends.base import MetricFn
+from accel.backends.base import LossFn, MetricFn, ModelInit
 from accel.backends.torch_core import TorchCore, accumulate, local_norm
-from accel.config import ConfigError, RunConfig
+from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
-from accel.losses import classifier_metrics, eval_sums, named_sums, soft_target_loss
-from accel.models.factory import ImageClassifier, ModelConfig, create_model
+from accel.losses import (
+    classifier_loss,
+    classifier_metrics,
+    eval_sums,
+    named_sums,
+    soft_target_loss,
+)
+from accel.models.factory import ImageClassifier
 from accel.parallel import fsdp, pipeline, tp_head
-from accel.parallel.materialize import allocate, fill_from_rank0, named_tensors
+from accel.parallel.materialize import allocate, fill_from_rank0, is_meta, named_tensors, whole
 from accel.parallel.mesh import MeshLayout
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -48,7 +55,7 @@ class Replicas:
     masters_separate = True  # O2: fp32 masters beside a low-precision model
     autocast_cache = True  # autocast may cache its weight casts within a forward
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
+    def __init__(self, cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
         self.cfg, self.ctx, self.device, self.amp = cfg, ctx, device, amp
         self.data_parallel = (ctx.rank, ctx.world_size)
         self.dp_group = None  # the ranks that split the data (None: all)
@@ -57,16 +64,12 @@ class Replicas:
     def param_dtype(self) -> torch.dtype:
         return self.amp.param_dtype
 
-    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
-        """The modules this rank trains, allocated on the device with their initial values."""
-        model = create_model(model_cfg, seed=self.cfg.seed)
-        if self.cfg.remat:
-            model.model.set_grad_checkpointing(True)  # timm: recompute each block's activations
-        return self.adopt(model)
-
-    def adopt(self, model: nn.Module) -> list[nn.Module]:
-        """A model built elsewhere (the public API's), on the device; with DDP, every replica
-        starts from rank 0's weights (DDP broadcasts them as it wraps)."""
+    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
+        """The modules this rank trains, on the device with their starting values (built by
+        `init` where `model` is on the meta device); with DDP, every replica starts from rank
+        0's weights (DDP broadcasts them as it wraps)."""
+        model = whole(model, init)
+        remat(model, self.cfg.step.remat)
         self.module = model.to(self.device, dtype=self.param_dtype)
         self.forward = self.wrap(self.module)
         return [self.module]
@@ -85,6 +88,18 @@ class Replicas:
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return soft_target_loss(logits, targets)
+
+    def loss_fn(self, loss_fn: LossFn) -> LossFn:
+        """The loss this layout trains: the user's, or for the command line's classifier loss
+        the layout's own way of computing it (a split classifier's parallel cross-entropy)."""
+        if loss_fn is not classifier_loss:
+            return loss_fn
+
+        def layout_loss(model: Callable, batch: tuple) -> torch.Tensor:
+            images, targets, *extra = batch
+            return self.loss(model(images, *extra), targets)
+
+        return layout_loss
 
     def forward_backward(
         self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
@@ -127,28 +142,29 @@ class Replicas:
 
 
 class SplitLayout(Replicas):
-    """A layout whose rank keeps part of the model: built on the meta device, only this rank's
+    """A layout whose rank keeps part of the model: split on the meta device, only this rank's
     part allocated, its values broadcast from rank 0's whole model."""
 
     sharded_checkpoint = True
 
-    def adopt(self, model: nn.Module) -> list[nn.Module]:
-        raise ConfigError(
-            f"{type(self).__name__.lower()}: a model built outside accel trains replicated or "
-            "sharded (shard=); the split head and the pipeline build their model through the "
-            "command line"
-        )
-
-    def materialize(self, model_cfg: ModelConfig, split: Callable[[ImageClassifier], list]) -> list:
-        """`split` transforms a model on the meta device into the modules this rank keeps."""
-        with torch.device("meta"):
-            reference = create_model(model_cfg).to(self.param_dtype)  # the whole model's shapes
-            modules = split(create_model(model_cfg).to(self.param_dtype))
+    def materialize(
+        self, model: nn.Module, init: ModelInit | None, split: Callable[[nn.Module], list]
+    ) -> list:
+        """`split` transforms the model on the meta device into the modules this rank keeps; a
+        model given whole is split as its meta twin, filled from rank 0's copy of it."""
+        if not is_meta(model):
+            given = model
+            init = lambda: given  # noqa: E731
+            model = copy.deepcopy(model).to("meta")
+        elif init is None:
+            whole(model, init)  # refused: nothing builds the values
+        model = model.to(self.param_dtype)
+        reference = copy.deepcopy(model)  # the whole model's names and shapes
+        modules = split(model)
         allocate(modules, self.device)
         parts = {n: t for m in modules for n, t in named_tensors(m)}
         parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
-        build = lambda: create_model(model_cfg, self.cfg.seed)  # noqa: E731
-        fill_from_rank0(parts, reference, build, self.device)
+        fill_from_rank0(parts, reference, init, self.device)
         return modules
 
 
@@ -161,25 +177,26 @@ class Shards(SplitLayout):
     def param_dtype(self) -> torch.dtype:
         return torch.float32 if self.amp.master_weights else self.amp.param_dtype
 
-    def adopt(self, model: nn.Module) -> list[nn.Module]:
-        """A model built elsewhere (the public API's): rank 0's values on every rank, as DDP
-        would broadcast them, then split by FSDP2, each rank keeping its shards."""
-        model = model.to(self.device, dtype=self.param_dtype)
-        with torch.no_grad():
-            for tensor in model.state_dict().values():
-                dist.broadcast(tensor, src=0)
-        fsdp.apply_fsdp(model, self.cfg.parallel.shard, self.amp, self.device.type)
-        self.module = self.forward = model
-        return [model]
+    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
+        """Split by FSDP2, each rank keeping its shards: a model on the meta device is split
+        there and filled from rank 0's build; a whole one takes rank 0's values on every rank,
+        as DDP would broadcast them."""
+        remat(model, self.cfg.step.remat)
+        shard, device_type = self.cfg.mesh.shard, self.device.type
+        if is_meta(model):
 
-    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
-        def split(whole: ImageClassifier) -> list[nn.Module]:
-            if self.cfg.remat:
-                whole.model.set_grad_checkpointing(True)
-            fsdp.apply_fsdp(whole, self.cfg.parallel.shard, self.amp, self.device.type)
-            return [whole]
+            def split(meta: nn.Module) -> list[nn.Module]:
+                fsdp.apply_fsdp(meta, shard, self.amp, device_type)
+                return [meta]
 
-        (self.module,) = self.materialize(model_cfg, split)
+            (self.module,) = self.materialize(model, init, split)
+        else:
+            model = model.to(self.device, dtype=self.param_dtype)
+            with torch.no_grad():
+                for tensor in model.state_dict().values():
+                    dist.broadcast(tensor, src=0)
+            fsdp.apply_fsdp(model, shard, self.amp, device_type)
+            self.module = model
         self.forward = self.module
         return [self.module]
 
@@ -195,20 +212,23 @@ class Shards(SplitLayout):
 class SplitHead(SplitLayout):
     """The classifier's classes split over the ranks of a tp group (dp x tp mesh)."""
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
+    def __init__(self, cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
         super().__init__(cfg, ctx, device, amp)
-        self.mesh = MeshLayout.build("tp", cfg.parallel.tp_head, device.type)
+        self.mesh = MeshLayout.build("tp", cfg.mesh.tp_head, device.type)
         self.data_parallel = (self.mesh.dp_rank, self.mesh.dp)
         self.dp_group = self.mesh.dp_group  # a tp group trains on the same batch
 
-    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
-        def split(whole: ImageClassifier) -> list[nn.Module]:
-            self.head = tp_head.apply_tp_head(whole.model, self.mesh)
-            mine = {id(p) for p in self.head.parameters()}
-            self.head_names = {n for n, p in whole.named_parameters() if id(p) in mine}
-            return [whole]
+    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
+        classifier_only(model, "the split classifier (tp_head)")
+        remat(model, self.cfg.step.remat)
 
-        (self.module,) = self.materialize(model_cfg, split)
+        def split(meta: nn.Module) -> list[nn.Module]:
+            self.head = tp_head.apply_tp_head(meta.model, self.mesh)
+            mine = {id(p) for p in self.head.parameters()}
+            self.head_names = {n for n, p in meta.named_parameters() if id(p) in mine}
+            return [meta]
+
+        (self.module,) = self.materialize(model, init, split)
         self.forward = self.wrap(self.module)
         return [self.module]
 
@@ -256,21 +276,22 @@ class Pipeline(SplitLayout):
 
     autocast_cache = False  # see forward_backward
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
+    def __init__(self, cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
         super().__init__(cfg, ctx, device, amp)
-        self.mesh = MeshLayout.build("pp", cfg.parallel.pp, device.type)
+        self.mesh = MeshLayout.build("pp", cfg.mesh.pp, device.type)
         self.data_parallel = (self.mesh.dp_rank, self.mesh.dp)
         self.dp_group = self.mesh.dp_group
 
-    def build(self, model_cfg: ModelConfig) -> list[nn.Module]:
-        par = self.cfg.parallel
+    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
+        classifier_only(model, "the pipeline (pp)")
+        mesh = self.cfg.mesh
 
-        def split(whole: ImageClassifier) -> list[nn.Module]:
-            self.plan = pipeline.cut_vit(whole, self.mesh, par.pp_schedule)
+        def split(meta: nn.Module) -> list[nn.Module]:
+            self.plan = pipeline.cut_vit(meta, self.mesh, mesh.pp_schedule)
             return self.plan.stages
 
-        stages = self.materialize(model_cfg, split)
-        scale = par.pp_microbatches * self.cfg.optim.grad_accum
+        stages = self.materialize(model, init, split)
+        scale = mesh.pp_microbatches * self.cfg.step.accum
 
         def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
             # Summed over micro-batches and micro-steps, these make the batch's mean loss (the
@@ -278,10 +299,15 @@ class Pipeline(SplitLayout):
             return soft_target_loss(logits, targets) / scale
 
         self.schedule = pipeline.schedule_stages(
-            self.plan, self.mesh, self.device, par.pp_schedule, par.pp_microbatches, loss_fn
+            self.plan, self.mesh, self.device, mesh.pp_schedule, mesh.pp_microbatches, loss_fn
         )
         self.module = nn.ModuleList(stages)
         return stages
+
+    def loss_fn(self, loss_fn: LossFn) -> LossFn:
+        if loss_fn is not classifier_loss:
+            raise ConfigError("a pipeline trains the classifier's soft-target loss only")
+        return loss_fn
 
     def forward_backward(
         self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
@@ -350,11 +376,34 @@ def only_classifier_metrics(metric_fn: MetricFn, layout: str) -> None:
         raise ConfigError(f"{layout} evaluates the classifier's loss, top-1 and top-5 only")
 
 
-def make_layout(cfg: RunConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy, shard: str):
-    par = cfg.parallel
-    if par.pp > 1:
+def classifier_only(model: nn.Module, layout: str) -> None:
+    """The split layouts cut accel's ImageClassifier (a timm model behind its normalisation)."""
+    if not isinstance(model, ImageClassifier):
+        raise ConfigError(
+            f"{layout} splits the command line's timm classifier; a model of your own trains "
+            "replicated or sharded (shard=)"
+        )
+
+
+def remat(model: nn.Module, enabled: bool) -> None:
+    """Recompute activations in the backward, through the model's own switch (timm's)."""
+    if not enabled:
+        return
+    switch = getattr(model, "set_grad_checkpointing", None)
+    if switch is None:
+        raise ConfigError(
+            f"remat: {type(model).__name__} has no set_grad_checkpointing (timm models have)"
+        )
+    switch(True)
+
+
+def make_layout(
+    cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy, shard: str
+) -> Replicas:
+    mesh = cfg.mesh
+    if mesh.pp > 1:
         return Pipeline(cfg, ctx, device, amp)
-    if par.tp_head > 1:
+    if mesh.tp_head > 1:
         return SplitHead(cfg, ctx, device, amp)
     if shard != "none":
         return Shards(cfg, ctx, device, amp)

@@ -41,6 +41,7 @@ from accel.backends.base import (
     Batch,
     LossFn,
     MetricFn,
+    ModelInit,
     RecompileError,
     StepResult,
     Supports,
@@ -54,12 +55,12 @@ from accel.backends.torch_core import (
     metric_sums,
     where_guard,
 )
-from accel.config import ConfigError, RunConfig
+from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext, env_context, launched_by_torchrun
-from accel.losses import classifier_loss
-from accel.models.factory import ModelConfig, create_model
-from accel.optim import OptimizerSpec, param_groups, parameter_settings
+from accel.models.factory import ImageClassifier
+from accel.optim import OptimizerSpec
 from accel.parallel import effective_shard
+from accel.parallel.materialize import whole
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
 SUPPORTS = Supports(
@@ -99,7 +100,7 @@ def require() -> None:
     check_versions(torch.__version__, torch_xla.__version__)
 
 
-def build(cfg: RunConfig, ctx: DistContext) -> XlaBackend:
+def build(cfg: BackendConfig, ctx: DistContext) -> XlaBackend:
     return XlaBackend(cfg, ctx)
 
 
@@ -109,12 +110,12 @@ def runs_on_cpu() -> bool:
     return device == "CPU" or (not device and importlib.util.find_spec("libtpu") is None)
 
 
-def context(cfg: RunConfig) -> DistContext:
+def context(cfg: BackendConfig) -> DistContext:
     """One process: over a device mesh (SPMD) when --nproc_per_node > 1; one of several
     processes when torchrun started it (TPU hosts)."""
     if launched_by_torchrun():
         return env_context()
-    devices = cfg.parallel.nproc_per_node
+    devices = cfg.mesh.devices
     if devices > 1:
         start_spmd(devices)
     return DistContext()
@@ -130,7 +131,8 @@ def start_spmd(devices: int) -> None:
                 f"--nproc_per_node {devices} needs {devices} XLA CPU devices, "
                 f"CPU_NUM_DEVICES is {have}"
             )
-    xr.use_spmd()
+    if not xr.is_spmd():  # prepare may run again in the same process
+        xr.use_spmd()
     # torch_xla's mark_sharding imports torchax (and flax) at its first call, whose import
     # notices would land mid-run: import it now, with those notices dropped.
     with quiet_imports():
@@ -199,24 +201,25 @@ class XlaBackend:
     pin_memory = False  # MpDeviceLoader stages host batches itself
     sharded_checkpoint = False  # one process holds every array: one file
 
-    def __init__(self, cfg: RunConfig, ctx: DistContext):
+    def __init__(self, cfg: BackendConfig, ctx: DistContext):
         self.cfg, self.ctx = cfg, ctx
-        self.persistent_cache = init_compile_cache(cfg.compile_cache_dir(), not ctx.is_main)
-        self.amp = amp_policy(cfg.amp_level, cfg.amp_dtype)
+        cache = Path(cfg.compiler.cache_dir)
+        self.persistent_cache = init_compile_cache(cache, not ctx.is_main)
+        self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_xla.device()
         self.data_parallel = (ctx.rank, ctx.world_size)
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed
-        self.local_replicas = cfg.parallel.nproc_per_node if self.spmd else 1
-        self.shard = effective_shard(cfg.parallel.shard, self.local_replicas)
+        self.local_replicas = cfg.mesh.devices if self.spmd else 1
+        self.shard = effective_shard(cfg.mesh.shard, self.local_replicas)
         self.axis = "fsdp" if self.shard == "full" else "data"
         if self.spmd:
             n = self.local_replicas
             self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
         # syncfree AdamW's fused kernel takes fp32 parameters only (bf16 ones at O3 fail XLA's
         # verifier or give NaN), so O3 keeps torch's AdamW.
-        self.syncfree = cfg.kernel_opt and self.amp.level != "O3"
-        if cfg.kernel_opt and not self.syncfree:
+        self.syncfree = cfg.step.kernel_opt and self.amp.level != "O3"
+        if cfg.step.kernel_opt and not self.syncfree:
             warnings.warn(
                 "--kernel-opt on xla: syncfree AdamW needs fp32 weights, O3 uses torch's AdamW",
                 stacklevel=2,
@@ -229,20 +232,31 @@ class XlaBackend:
         self.compiles_at_warmup: int | None = None
         self.input_shapes: set = set()
 
-    def setup(self, model_cfg: ModelConfig) -> None:
-        model = create_model(model_cfg, seed=self.cfg.seed)
-        settings = parameter_settings(model, self.cfg.optim)
-        build = lambda named: self.adamw(param_groups(named, settings))  # noqa: E731
-        self.attach(model, build, classifier_loss, model.classifier_parameters())
+    def adopt(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerSpec,
+        loss_fn: LossFn,
+        init: ModelInit | None = None,
+    ) -> None:
+        model = whole(model, init)
+        head = model.classifier_parameters() if isinstance(model, ImageClassifier) else []
+        self.attach(model, lambda named: self.optimizer(optimizer, dict(named)), loss_fn, head)
+        self.host_reads = RefuseHostReads  # a loss that reads the host: name its line
 
-    def adopt(self, model: nn.Module, optimizer: OptimizerSpec, loss_fn: LossFn) -> None:
-        # capturable: Adam's step count on the device, so where_guard restores it in the graph.
-        flags = {} if optimizer.kind == "SGD" else {"capturable": True}
-        self.attach(model, lambda named: optimizer.build(dict(named), **flags), loss_fn)
-        self.host_reads = RefuseHostReads  # a user's loss: name a hidden execution's line
+    def optimizer(self, spec: OptimizerSpec, named: dict) -> torch.optim.Optimizer:
+        """The user's optimizer over the tensors this backend updates: with --kernel-opt, AdamW
+        as torch_xla's syncfree one (the skip inside its kernel); otherwise capturable (Adam's
+        step count on the device, so where_guard restores it inside the graph)."""
+        if self.syncfree and spec.kind == "AdamW":
+            from torch_xla.amp import syncfree
+
+            return spec.build(named, optimizer_class=syncfree.AdamW)
+        flags = {} if spec.kind == "SGD" else {"capturable": True}
+        return spec.build(named, **flags)
 
     def attach(
-        self, model: nn.Module, build_optimizer: Callable, loss_fn: LossFn, head: list = ()
+        self, model: nn.Module, build_optimizer: Callable, loss_fn: LossFn, head: list
     ) -> None:
         self.module = self.forward = model.to(self.device, dtype=self.amp.param_dtype)
         if self.ctx.distributed:  # every replica starts from replica 0's weights
@@ -254,19 +268,9 @@ class XlaBackend:
 
             self.forward = SpmdFullyShardedDataParallel(self.module, mesh=self.mesh)
         # Device random draws (dropout, stochastic depth) differ between replicas.
-        xm.set_rng_state(self.cfg.seed + self.ctx.rank, self.device)
-        self.core.attach([self.module], build_optimizer, head, self.cfg.optim.model_ema)
+        xm.set_rng_state(self.cfg.step.seed + self.ctx.rank, self.device)
+        self.core.attach([self.module], build_optimizer, head, self.cfg.step.ema)
         self.loss_fn = loss_fn
-
-    def adamw(self, groups: list[dict]) -> torch.optim.Optimizer:
-        lr, betas = self.cfg.optim.lr, self.cfg.optim.betas
-        if self.syncfree:
-            from torch_xla.amp import syncfree
-
-            return syncfree.AdamW(groups, lr=lr, betas=betas)
-        # capturable: the step count lives on the device, so a skipped step can leave it as it
-        # was inside the graph (torch keeps it on the host otherwise).
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, capturable=True)
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
         """On a mesh, each global batch reaches the devices split along the mesh's axis."""
@@ -276,7 +280,7 @@ class XlaBackend:
             self.device,
             loader_prefetch_size=compiler.loader_prefetch,
             device_prefetch_size=compiler.device_prefetch,
-            batches_per_execution=self.cfg.optim.grad_accum,
+            batches_per_execution=self.cfg.step.accum,
             input_sharding=self.batch_sharding(),
         )
         return (tuple(b[k] for k in BATCH_KEYS if k in b) for b in loader)
@@ -307,7 +311,7 @@ class XlaBackend:
         total = accumulate(micro_batches, self.forward_loss, self.core, self.scope)
         self.reduce_gradients()
         loss = self.all_reduce(total, mean=True)
-        clip = self.cfg.optim.clip_grad
+        clip = self.cfg.step.clip_grad
         applied = self.core.update(lr, loss, clip, self.grad_norm, ema_decay)
         self.step_done()
         return torch.stack([loss, applied.float()])

@@ -77,6 +77,10 @@ class ImageClassifier(nn.Module):
         head = get() if get else None
         return list(head.parameters()) if isinstance(head, nn.Module) else []
 
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in the backward (timm's own switch)."""
+        self.model.set_grad_checkpointing(enable)
+
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
         return (images.to(self.mean.dtype) - self.mean) * self.inv_scale
 

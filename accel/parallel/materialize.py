@@ -18,6 +18,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from accel.config import ConfigError
+
 Region = tuple[slice, ...]
 
 
@@ -109,3 +111,20 @@ def fill_from_rank0(
                     dist.recv(into, src=0)
                     if into is not storage:
                         storage.copy_(into)
+
+
+def is_meta(model: nn.Module) -> bool:
+    """Whether `model` was built on the meta device (shapes only, nothing allocated)."""
+    return any(t.is_meta for _, t in named_tensors(model))
+
+
+def whole(model: nn.Module, init: Callable[[], nn.Module] | None) -> nn.Module:
+    """`model` itself, or where it is on the meta device the whole model `init` builds."""
+    if not is_meta(model):
+        return model
+    if init is None:
+        raise ConfigError(
+            "the model is on the meta device: give prepare(..., init=FN), FN building it with "
+            "its starting values"
+        )
+    return init()

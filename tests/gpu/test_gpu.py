@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from accel.cli.resolve import resolve_backend, resolve_decode_on
+from accel.cli.train import Trainer
 from accel.data.config import DataConfig, MixupConfig
 from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
-from accel.resolve import resolve_backend, resolve_decode_on
-from accel.train import Trainer
 from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli, train_cli
 
 pytestmark = pytest.mark.gpu
@@ -35,21 +35,21 @@ def test_the_torch_step_makes_no_host_sync_and_takes_pinned_side_stream_batches(
 ):
     cfg = micro_config(tmp_path, backend=backend, amp_level=level, steps=8)
     trainer = Trainer(cfg, DistContext())
-    assert trainer.backend.pin_memory  # the loader hands over pinned host memory
-    host = [b for _, b in zip(range(3), trainer.loader, strict=False)]
+    assert trainer.engine.runner.pin_memory  # the loader hands over pinned host memory
+    host = [b for _, b in zip(range(3), trainer.data.loader, strict=False)]
     assert all(b["images"].is_pinned() for b in host)
-    batches = trainer.backend.device_batches((b["images"], b["targets"]) for b in host)
+    batches = trainer.engine.runner.device_batches((b["images"], b["targets"]) for b in host)
     warm = [next(batches) for _ in range(2)]
     for micro in ([warm[0]], [warm[1]]):  # warm-up: compiles and allocations may sync
-        trainer.backend.train_step(micro, 1e-3)
+        trainer.engine.runner.train_step(micro, 1e-3)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            handle = trainer.backend.train_step([warm[0]], 1e-3)
+            handle = trainer.engine.runner.train_step([warm[0]], 1e-3)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    loss, applied = trainer.backend.fetch_results([handle])[0]
+    loss, applied = trainer.engine.runner.fetch_results([handle])[0]
     assert math.isfinite(loss) and applied
 
 

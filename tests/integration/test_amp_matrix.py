@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from accel.backends import backend_module
+from accel.cli.train import Trainer
 from accel.distributed import DistContext
-from accel.train import Trainer
 from tests.helpers import micro_config
 
 pytestmark = pytest.mark.slow  # 32 cases, each compiled; every backend's one run is test_finetune's
@@ -135,7 +135,7 @@ def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: boo
         model_ema_decay=0.5,
     )
     trainer = Trainer(cfg, DistContext())
-    b = trainer.backend
+    b = trainer.engine.runner
     seen = {} if backend == "jax" else _linear_output_dtypes(b.core.modules[0])
     summary = trainer.train()
     records = [json.loads(line) for line in (cfg.run_dir() / "metrics.jsonl").open()]

@@ -13,12 +13,12 @@ from torch import nn
 
 import accel
 from accel.checkpoint import latest_checkpoint
+from accel.cli.job import LRSchedule, param_groups, parameter_settings
+from accel.cli.train import Trainer, host_tuple, seed_everything
 from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
 from accel.losses import classifier_loss
 from accel.models.factory import create_model
-from accel.optim import LRSchedule, param_groups, parameter_settings
-from accel.train import Trainer, host_tuple, seed_everything
 from tests.helpers import (
     HAS_XLA,
     LR,

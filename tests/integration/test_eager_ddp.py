@@ -6,9 +6,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from accel.backends.eager import EagerBackend
 from accel.distributed import DistContext, destroy_process_group
-from tests.helpers import micro_config, read_summary, run_cli
+from tests.helpers import job_backend, micro_config, read_summary, run_cli
 
 
 def _batch(n: int = 8):
@@ -20,8 +19,7 @@ def _batch(n: int = 8):
 
 def _gradients(tmp_path, ctx: DistContext, micro_batches) -> dict[str, torch.Tensor]:
     cfg = micro_config(tmp_path)
-    backend = EagerBackend(cfg, ctx)
-    backend.setup(cfg.model)
+    backend = job_backend(cfg, ctx)
     backend.layout.forward_backward(micro_batches, backend.forward_loss, backend.core)
     return {n: p.grad.clone() for n, p in backend.layout.module.named_parameters()}
 

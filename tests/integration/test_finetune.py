@@ -11,16 +11,23 @@ import pytest
 import timm
 import torch
 
-from accel.backends import create_backend
 from accel.backends.base import BackendStats
-from accel.distributed import DistContext
-from accel.export import main as export_main
-from accel.launch_single_task import main
+from accel.cli.export import main as export_main
+from accel.cli.job import parameter_settings
+from accel.cli.launch import main
 from accel.models.factory import ModelConfig, create_model, meta_model
-from accel.optim import parameter_settings
-from accel.run_records import Run, run_row
-from accel.summary import RunSummary
-from tests.helpers import HAS_XLA, launch, micro_config, read_summary, run_cli, run_python, train
+from accel.report.run_records import Run, run_row
+from accel.report.summary import RunSummary
+from tests.helpers import (
+    HAS_XLA,
+    job_backend,
+    launch,
+    micro_config,
+    read_summary,
+    run_cli,
+    run_python,
+    train,
+)
 
 # Without torch_xla (make test-latest) the other three, and the xla cases skip; CI requires it.
 BACKENDS = ("eager", "compile", "xla", "jax") if HAS_XLA else ("eager", "compile", "jax")
@@ -87,8 +94,7 @@ def test_the_ema_is_its_own_weights_and_is_evaluated_beside_them(runs):
 @pytest.mark.parametrize("backend", ["eager", "jax"])
 def test_layer_decay_gives_each_parameter_timms_learning_rate_scale(backend, tmp_path):
     cfg = micro_config(tmp_path, backend=backend, model="vit_micro_d4", layer_decay=0.75)
-    backend_ = create_backend(cfg, DistContext())
-    backend_.setup(cfg.model)
+    backend_ = job_backend(cfg)
     model = meta_model(cfg.model)
     groups = timm.optim.param_groups_layer_decay(
         model.model, 0.05, model.model.no_weight_decay(), layer_decay=0.75

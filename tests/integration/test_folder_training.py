@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 import torch
 
+from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
-from accel.train import Trainer
 from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli
 
 

@@ -5,18 +5,17 @@ import math
 import pytest
 import torch
 
-import accel.backends.jax as jax_backend
 from accel.backends.base import BackendUnavailable
-from accel.backends.eager import EagerBackend
 from accel.backends.jax import torchax  # imported through the compatibility shim
 from accel.checkpoint import latest_checkpoint, to_cpu
+from accel.cli.evaluation import evaluate_classifier
+from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.data.loaders import build_eval_loader
 from accel.distributed import DistContext
-from accel.evaluation import evaluate_classifier
-from accel.train import Trainer
 from tests.helpers import (
     TWO_HOST_DEVICES,
+    job_backend,
     micro_config,
     read_summary,
     run_cli,
@@ -78,15 +77,13 @@ def test_checkpoints_cross_between_jax_and_eager(tmp_path):
     summary = _train(tmp_path, "jax", eval=True)
     saved = torch.load(latest_checkpoint(tmp_path / "vit_micro" / "jax" / "t"), weights_only=True)
     cfg = micro_config(tmp_path, synthetic_length=100)
-    eager = EagerBackend(cfg, DistContext())
-    eager.setup(cfg.model)
+    eager = job_backend(cfg)
     eager.load_checkpoint_state(saved["state"])  # weights and AdamW moments by name
     assert _eval_loss(eager, cfg) == pytest.approx(summary["eval_loss"], rel=1e-5)
     steps = {int(s["step"]) for s in eager.core.optimizer.state.values()}
     assert steps == {5}
 
-    back = jax_backend.JaxBackend(micro_config(tmp_path, backend="jax"), DistContext())
-    back.setup(cfg.model)
+    back = job_backend(micro_config(tmp_path, backend="jax"))
     back.load_checkpoint_state(to_cpu(eager.checkpoint_state()))
     assert _eval_loss(back, cfg) == pytest.approx(summary["eval_loss"], rel=1e-5)
     steps = {int(s["step"]) for s in to_cpu(back.checkpoint_state())["optim"].values()}
@@ -110,8 +107,7 @@ def test_missing_jax_is_one_line_with_the_install_command(tmp_path):
 def _two_step_losses(tmp_path, drop_path: float) -> list[float]:
     """Losses of two steps with lr 0 (weights unchanged) on one fixed batch."""
     cfg = micro_config(tmp_path, backend="jax", model="swin_micro", drop_path_rate=drop_path)
-    backend = jax_backend.JaxBackend(cfg, DistContext())
-    backend.setup(cfg.model)
+    backend = job_backend(cfg)
     gen = torch.Generator().manual_seed(0)
     images = torch.randint(0, 256, (8, 3, 32, 32), dtype=torch.uint8, generator=gen)
     targets = torch.softmax(torch.randn(8, 10, generator=gen), -1)

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from accel import checkpoint as ckpt
+from accel.cli.launch import EXIT_NONFINITE, main
+from accel.cli.train import Trainer
 from accel.distributed import DistContext
-from accel.launch_single_task import EXIT_NONFINITE, main
-from accel.train import Trainer
 from tests import nan_model
 from tests.helpers import NAN_EPOCHS, backend_tensors, checkpoint_tensors, nan_config, same_state
 
@@ -21,7 +21,7 @@ EPOCHS = NAN_EPOCHS
 
 def _state(trainer_or_path) -> dict[str, torch.Tensor]:
     if isinstance(trainer_or_path, Trainer):
-        return backend_tensors(trainer_or_path.backend)
+        return backend_tensors(trainer_or_path.engine.runner)
     return checkpoint_tensors(trainer_or_path)
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file
 
-from accel.export import main as export_main
+from accel.cli.export import main as export_main
 from tests import nan_model
 from tests.helpers import (
     checkpoint_tensors,

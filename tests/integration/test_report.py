@@ -12,11 +12,11 @@ import pytest
 from matplotlib.colors import to_hex
 from matplotlib.ticker import MaxNLocator
 
+from accel.cli.train import Trainer
 from accel.distributed import DistContext
-from accel.figures import COLOURS, STATE_PARTS, figures, step_groups
-from accel.report import README_BEGIN, README_END, aggregate, find_runs, update_readme
-from accel.report import main as report_main
-from accel.train import Trainer
+from accel.report.figures import COLOURS, STATE_PARTS, figures, step_groups
+from accel.report.tables import README_BEGIN, README_END, aggregate, find_runs, update_readme
+from accel.report.tables import main as report_main
 from tests.helpers import HAS_XLA, micro_config, run_cli
 
 pytestmark = pytest.mark.slow  # six runs: two each of eager, xla and jax, compiled

@@ -15,10 +15,10 @@ import torch.multiprocessing as mp
 from torch import nn
 
 from accel.amp import amp_policy
+from accel.cli.runs import in_use
 from accel.distributed import destroy_process_group
 from accel.models.factory import ModelConfig, create_model
 from accel.parallel import fsdp
-from accel.runs import in_use
 from tests import nan_model
 from tests.helpers import (
     TWO_HOST_DEVICES,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel.launch_single_task import main
+from accel.cli.launch import main
 from tests.helpers import read_summary
 
 CHANCE = 0.1  # 10 synthetic classes

@@ -4,11 +4,11 @@ import pytest
 import torch
 
 from accel.backends.base import BackendUnavailable, RecompileError
-from accel.backends.xla import XlaBackend, check_versions, compile_count
+from accel.backends.xla import check_versions, compile_count
+from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
-from accel.train import Trainer
-from tests.helpers import micro_config, run_cli_without, train
+from tests.helpers import job_backend, micro_config, run_cli_without, train
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 # Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
@@ -76,8 +76,7 @@ def test_first_five_losses_equal_eager_at_o0(xla_run, tmp_path):
 @SLOW
 def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
     cfg = micro_config(tmp_path, backend="xla", amp_level="O1")
-    backend = XlaBackend(cfg, DistContext())
-    backend.setup(cfg.model)
+    backend = job_backend(cfg)
     seen = []
     linear = next(m for m in backend.module.modules() if isinstance(m, torch.nn.Linear))
     linear.register_forward_hook(lambda m, i, out: seen.append((out.dtype, out.device.type)))
@@ -92,8 +91,7 @@ def test_o1_matmuls_run_in_bf16_on_the_xla_device(tmp_path):
 @SLOW
 def test_changing_batch_shape_stops_with_the_cause(tmp_path):
     cfg = micro_config(tmp_path, backend="xla", max_recompiles=0)
-    backend = XlaBackend(cfg, DistContext())
-    backend.setup(cfg.model)
+    backend = job_backend(cfg)
 
     def batch(n):
         images = torch.randint(0, 256, (n, 3, 32, 32), dtype=torch.uint8)

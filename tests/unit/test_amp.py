@@ -4,16 +4,13 @@ import pytest
 import torch
 
 from accel.amp import amp_policy
-from accel.backends.eager import EagerBackend
 from accel.config import ConfigError
-from accel.distributed import DistContext
-from tests.helpers import backend_tensors, micro_config
+from tests.helpers import backend_tensors, job_backend, micro_config
 
 
 def _backend(tmp_path, level):
     cfg = micro_config(tmp_path, amp_level=level)
-    backend = EagerBackend(cfg, DistContext())
-    backend.setup(cfg.model)
+    backend = job_backend(cfg)
     return backend
 
 

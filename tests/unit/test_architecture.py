@@ -1,18 +1,22 @@
 """The rules that keep the structure simple, read from the code's own imports: no import circles;
-accel/parallel/ below the backends; accel/data/ and accel/models/ independent of the rest of
-accel; each framework
-imported only by its backend; the loop and the launcher ask a backend nothing its contract does
-not declare."""
+the library never imports the command line or the report; accel/parallel/ below the backends;
+accel/data/ and accel/models/ independent of the rest of accel; each framework imported only by
+its backend; the command line trains through accel.prepare and reads no backend member."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
 
+from accel.engine import Engine
 from tests.helpers import ROOT
 
 PACKAGES = ("accel",)
 STANDALONE = ("accel.data", "accel.models")  # usable without the rest of accel
+CLIENTS = ("accel.cli", "accel.report")  # the library's clients, in folders of their own
+# `python -m accel.launch_single_task` keeps its name: the one library-level file that imports
+# the command line (it is its entry point, nothing imports it).
+ENTRY_POINTS = ("accel.launch_single_task",)
 # Framework packages and the one file (with its helpers) that may import each.
 FRAMEWORKS = {
     "torch_xla": ("accel/backends/xla.py",),
@@ -108,12 +112,23 @@ def test_each_framework_is_imported_by_its_backend_only():
                 assert not used or rel in owners, (rel, used)
 
 
+def test_the_library_never_imports_its_clients():
+    graph = _graph()
+    library = [n for n in graph if not n.startswith(CLIENTS) and n not in ENTRY_POINTS]
+    assert len(library) > 20 and "accel.engine" in library
+    for name in library:
+        assert not any(d.startswith(CLIENTS) for d in graph[name]), (name, graph[name])
+    # The report reads finished runs: it needs the library's records, never the command line.
+    for name in (n for n in graph if n.startswith("accel.report")):
+        assert not any(d.startswith("accel.cli") for d in graph[name]), (name, graph[name])
+
+
 def test_the_loop_and_the_launcher_do_not_probe_the_backend():
-    """Everything they use of a backend is declared in accel/backends/base.py."""
-    for rel in ("accel/train.py", "accel/launch_single_task.py", "accel/checkpoint.py"):
-        text = (ROOT / rel).read_text()
-        assert "hasattr(" not in text and "getattr(self.backend" not in text, rel
-        assert 'backend == "' not in text and "backend.name ==" not in text, rel
+    """Nothing of the command line branches on a backend's name or probes its attributes."""
+    for path in (ROOT / "accel" / "cli").rglob("*.py"):
+        text = path.read_text()
+        assert "hasattr(" not in text and "getattr(self.backend" not in text, path
+        assert 'backend == "' not in text and "backend.name ==" not in text, path
 
 
 def test_no_save_path_gathers_the_whole_state():
@@ -126,23 +141,56 @@ def test_no_save_path_gathers_the_whole_state():
             assert "full_tensor()" not in text, path
 
 
-def _backend_calls(rel: str) -> set[str]:
-    """The methods a file calls on an attribute named backend (`self.backend.x(...)`)."""
-    calls = set()
+def _reads(rel: str) -> list[tuple[str, str]]:
+    """(owner, attribute) of every `X.owner.attribute` or `owner.attribute` read in a file."""
+    found = []
     for node in ast.walk(ast.parse((ROOT / rel).read_text())):
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
-            owner = node.func.value
-            if isinstance(owner, ast.Attribute) and owner.attr == "backend":
-                calls.add(node.func.attr)
-    return calls
+        if isinstance(node, ast.Attribute):
+            owner = node.value
+            if isinstance(owner, ast.Attribute):
+                found.append((owner.attr, node.attr))
+            elif isinstance(owner, ast.Name):
+                found.append((owner.id, node.attr))
+    return found
 
 
-def test_the_command_line_trains_through_the_public_engine():
-    """The Trainer and its Evaluator step, fetch, evaluate, agree across ranks and checkpoint
-    through accel.engine.Engine, as a user's script does: no second copy of those paths. What
-    they ask the backend itself is setup and bookkeeping (timing, compile counts, stats)."""
-    engine_only = {"train_step", "fetch_results", "evaluate_sums", "any_rank", "device_batches"}
-    engine_only |= {"checkpoint_state", "load_checkpoint_state", "rng_state", "load_rng_state"}
-    for rel in ("accel/train.py", "accel/evaluation.py"):
-        assert not _backend_calls(rel) & engine_only, (rel, _backend_calls(rel) & engine_only)
-    assert _backend_calls("accel/train.py") == {"setup", "synchronize", "mark_warmup_done", "stats"}
+def _calls(rel: str) -> set[str]:
+    """Every name a file calls, as `f(...)` or `x.f(...)`."""
+    names = set()
+    for node in ast.walk(ast.parse((ROOT / rel).read_text())):
+        if isinstance(node, ast.Call):
+            func = node.func
+            names.add(func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", ""))
+    return names
+
+
+CLI_LOOP = ("accel/cli/train.py", "accel/cli/evaluation.py", "accel/cli/checkpoints.py")
+
+
+def test_the_command_line_builds_its_engine_through_prepare_only():
+    """The job is handed to accel.prepare as a user's is: no file of the command line builds a
+    backend, adopts a model into one or constructs an Engine itself."""
+    assert "prepare" in _calls("accel/cli/job.py")
+    assert "build_engine" in _calls("accel/cli/train.py")
+    for path in (ROOT / "accel" / "cli").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        called = _calls(rel)
+        assert not called & {"create_backend", "adopt", "Engine", "setup"}, (rel, called)
+
+
+def test_the_trainer_reads_no_backend_member():
+    """The loop, its evaluation and its checkpoints use the Engine's public names only: no read
+    of a backend (`engine.runner`, `self.backend`) and no import of the backends."""
+    for rel in CLI_LOOP:
+        reads = _reads(rel)
+        assert not [r for r in reads if r[1] == "runner" or r[0] in ("runner", "backend")], rel
+        assert not any(m.startswith("accel.backends") for m in _imports(ROOT / rel)), rel
+        engine_reads = {attr for owner, attr in reads if owner == "engine"}
+        public = {n for n in dir(Engine) if not n.startswith("_")}
+        assert engine_reads <= public, (rel, engine_reads - public)
+
+
+def test_the_trainer_class_stays_small():
+    tree = ast.parse((ROOT / "accel/cli/train.py").read_text())
+    (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
+    assert trainer.end_lineno - trainer.lineno + 1 <= 160

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from accel.backends import resolve_backend
+from accel.cli.launch import main
 from accel.data.prepare import prepare_mock_imagenet
-from accel.launch_single_task import main
-from accel.resolve import resolve_backend
 from tests.helpers import run_cli
 
 BASE = ("--steps", "1", "--batch_size", "8", "--workers", "0")

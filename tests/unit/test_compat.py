@@ -87,7 +87,7 @@ def test_any_failure_importing_torchax_is_one_line_naming_the_versions(tmp_path)
         "        raise AttributeError(\"no overload name 'dim_Dimname'\")\n"
         "    return real(name, *a, **k)\n"
         "builtins.__import__ = fail\n"
-        "import sys; from accel.launch_single_task import main\n"
+        "import sys; from accel.cli.launch import main\n"
         f"sys.exit(main(['--backend', 'jax', '--steps', '1', '--output', {str(tmp_path)!r}]))\n"
     )
     result = run_python(code)

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from accel.launch_single_task import RESOLVED, job_exit_code, settled
+from accel.cli.launch import RESOLVED, job_exit_code, settled
 from tests.helpers import micro_config
 
 

@@ -11,9 +11,9 @@ from accel.checkpoint import (
     prune,
     write_file,
 )
-from accel.config import OptimConfig
+from accel.cli.config import OptimConfig
+from accel.cli.job import LRSchedule, parameter_settings
 from accel.models.factory import ModelConfig, create_model
-from accel.optim import LRSchedule, parameter_settings
 
 
 def test_schedule_warms_up_then_decays_to_min():

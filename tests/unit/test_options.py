@@ -8,9 +8,10 @@ import json
 
 import pytest
 
-import accel.cli
-import accel.config
-from accel.config import ConfigError, OptimConfig, RunConfig, check_ranges, option, resume_keys
+import accel.cli.config
+import accel.cli.options
+from accel.cli.config import OptimConfig, RunConfig, check_ranges, option, resume_keys
+from accel.config import ConfigError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,17 +26,19 @@ class RunWithProbe(RunConfig):
 
 @pytest.fixture
 def probe(monkeypatch):
-    monkeypatch.setattr(accel.cli, "RunConfig", RunWithProbe)
-    monkeypatch.setattr(accel.config, "RunConfig", RunWithProbe)
+    monkeypatch.setattr(accel.cli.options, "RunConfig", RunWithProbe)
+    monkeypatch.setattr(accel.cli.config, "RunConfig", RunWithProbe)
 
 
 def parse(*argv: str) -> RunConfig:
-    return accel.cli.config_from_args(accel.cli.build_parser().parse_args(list(argv)))
+    return accel.cli.options.config_from_args(
+        accel.cli.options.build_parser().parse_args(list(argv))
+    )
 
 
 def test_an_option_declared_once_reaches_every_place(probe, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
-    assert "--probe_depth PROBE_DEPTH" in accel.cli.build_parser().format_help()
+    assert "--probe_depth PROBE_DEPTH" in accel.cli.options.build_parser().format_help()
     cfg = parse("--probe_depth", "5")
     assert cfg.optim.probe_depth == 5 and parse().optim.probe_depth == 3
     assert json.loads(cfg.to_json())["optim"]["probe_depth"] == 5

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 
 from accel.backends import support_matrix
-from accel.cli import build_parser
+from accel.cli.options import build_parser
 from tests.helpers import ROOT
 
 README = (ROOT / "README.md").read_text()

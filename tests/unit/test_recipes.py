@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from accel.cli import build_parser, config_from_args
-from accel.config import RECIPE_NAMES
-from accel.recipes import RECIPES, describe
+from accel.cli.config import RECIPE_NAMES
+from accel.cli.options import build_parser, config_from_args
+from accel.cli.recipes import RECIPES, describe
 
 
 def parse(*argv: str):

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from accel.backends.base import BackendStats
-from accel.run_records import Run, run_row
-from accel.summary import RunSummary
+from accel.report.run_records import Run, run_row
+from accel.report.summary import RunSummary
 
 
 def test_a_partial_older_summary_reads_with_defaults_and_its_parts_in_place():

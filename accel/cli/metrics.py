@@ -92,7 +92,7 @@ class RunLogger:
 
 def utilisation(images_per_sec: float, flops_per_image: float, override: float, devices: int):
     """MFU and what it is computed from: the device name and its bf16 peak."""
-    from accel.flops import device_name, mfu, peak_tflops
+    from accel.cli.flops import device_name, mfu, peak_tflops
 
     name = device_name()
     peak = peak_tflops(name, override or None)

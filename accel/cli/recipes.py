@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from accel.config import RunConfig, from_dict, get_path, global_batch, set_nested
+from accel.cli.config import RunConfig, from_dict, get_path, global_batch, set_nested
 
 
 @dataclass(frozen=True)

@@ -9,42 +9,24 @@ from pathlib import Path
 
 import torch
 
-from accel.backends import check_supported
+from accel.backends import check_supported, resolve_backend
 from accel.backends.base import BackendModule
-from accel.checkpoint import latest_checkpoint, read_meta, resume_mismatches, saved_config
-from accel.config import BACKENDS, DEFAULT_EPOCHS, ConfigError, RunConfig, data_replicas, validate
+from accel.checkpoint import latest_checkpoint, read_meta
+from accel.cli.checkpoints import resume_mismatches, saved_config
+from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, validate
+from accel.cli.job import backend_config
+from accel.cli.memory_check import check_memory
+from accel.cli.recipes import describe
+from accel.cli.runs import check_free, latest_resumable, new_run_name
+from accel.config import ConfigError
 from accel.data.augment import check_augment
 from accel.data.config import DataConfig
 from accel.data.folder import count_images
 from accel.data.loaders import folder_num_classes
-from accel.memory_check import check_memory
 from accel.models.factory import check_input_size, check_model_name, create_model, meta_model
 from accel.models.pretrained import fit, read_state_dict, source_of
 from accel.parallel.mesh import describe_mesh
 from accel.parallel.pipeline import is_vit, stages_per_rank
-from accel.recipes import describe
-from accel.runs import check_free, latest_resumable, new_run_name
-
-USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
-
-
-def resolve_backend(requested: str | None, env: dict[str, str]) -> tuple[str, str]:
-    """(backend, why) from --backend (or the API's backend=), ACCEL_BACKEND and USE_ACCEL."""
-    raw = env.get("USE_ACCEL", "")
-    if raw.strip().lower() not in USE_ACCEL_VALUES:
-        raise ConfigError(f"USE_ACCEL must be 0, 1, true or false, got '{raw}'")
-    if requested:
-        return requested, "asked for by name"
-    named = env.get("ACCEL_BACKEND", "").strip()
-    if named:
-        if named not in BACKENDS:
-            raise ConfigError(f"ACCEL_BACKEND must be one of {', '.join(BACKENDS)}, got '{named}'")
-        return named, "ACCEL_BACKEND"
-    if USE_ACCEL_VALUES[raw.strip().lower()]:
-        if torch.cuda.is_available():
-            return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"
-        return "xla", "USE_ACCEL=1 and no CUDA GPU is visible (torch_xla)"
-    return "eager", "default, USE_ACCEL unset"
 
 
 def check_data(cfg: RunConfig) -> int:
@@ -208,7 +190,12 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
     backend, why = resolve_backend(cfg.backend, env)
     cfg = dataclasses.replace(cfg, backend=backend)
     notes = [f"backend {backend} ({why})"]
-    module = check_supported(cfg)
+    module = check_supported(backend_config(cfg))
+    if cfg.data.data_device == "gpu" and not module.SUPPORTS.data_device_gpu:
+        raise ConfigError(
+            f"--data_device gpu is not supported by the {backend} backend (launch_single_task "
+            "--backends shows what each backend runs)"
+        )
     check_gpu_count(cfg, module.SUPPORTS.replicas)
     check_model(cfg)
     on_gpu = torch.cuda.is_available() and module.SUPPORTS.data_device_gpu

@@ -24,7 +24,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from accel.run_records import (
+from accel.report.run_records import (
     LAYOUT,
     RUN_COLUMNS,
     Run,
@@ -103,7 +103,7 @@ def update_readme(readme: Path, table: list[dict], runs: list[Run], picture: Pat
 
 
 def write_report(root: Path, out: Path) -> tuple[list[dict[str, Any]], list[str], list[Run]]:
-    from accel.figures import save_figures
+    from accel.report.figures import save_figures
 
     runs, problems = find_runs(root)
     if not runs:

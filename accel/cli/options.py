@@ -9,8 +9,8 @@ import types
 import typing
 from typing import Any
 
-from accel.config import RunConfig, flag_of, from_dict, leaf_fields, set_nested
-from accel.recipes import apply_recipe
+from accel.cli.config import RunConfig, flag_of, from_dict, leaf_fields, set_nested
+from accel.cli.recipes import apply_recipe
 
 # Help sections, in order: a nested config's fields go under its title, a top-level field under
 # the `group` its metadata names.

@@ -14,9 +14,9 @@ from datetime import datetime
 from pathlib import Path
 
 from accel.config import BACKENDS, ConfigError
-from accel.report import markdown_table
-from accel.run_records import Run, aggregate, read_steps
-from accel.summary import RunSummary
+from accel.report.run_records import Run, aggregate, read_steps
+from accel.report.summary import RunSummary
+from accel.report.tables import markdown_table
 
 COLUMNS = (
     "backend",

@@ -3,39 +3,33 @@ weights and (with --model_ema) of their EMA, at the end and every --eval_every e
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable
+from typing import Any
 
-from accel.backends import Backend
-from accel.config import RunConfig
+from accel.cli.config import RunConfig
 from accel.data.loaders import build_eval_loader
 from accel.engine import Engine
 from accel.losses import classifier_metrics, summarise
+from accel.models.factory import input_size
 
 EMA_SUFFIX = "_ema"
 
 
-def evaluate_classifier(
-    runner: Engine | Backend, loader: Iterable[dict], ema: bool = False
-) -> dict:
+def evaluate_classifier(engine: Engine, loader: Iterable[dict], ema: bool = False) -> dict:
     """eval_loss, eval_acc, eval_acc5 and eval_images over an evaluation loader's masked,
-    padded batches: the public API's evaluation (Engine.evaluate, which is the backend's
-    evaluate_sums) with the command line's metric; one path."""
+    padded batches: the public API's evaluation with the command line's metric; one path."""
     batches = ((b["images"], b["labels"], b["mask"]) for b in loader)
-    run = runner.evaluate if isinstance(runner, Engine) else runner.evaluate_sums
-    return summarise(run(batches, classifier_metrics, ema=ema))
+    return summarise(engine.evaluate(batches, classifier_metrics, ema=ema))
 
 
 class Evaluator:
-    def __init__(
-        self,
-        cfg: RunConfig,
-        engine: Engine,
-        image_size: int,
-        host_batch: int,
-        shard: tuple[int, int],
-        track: Callable[[Iterable[dict]], Iterator[dict]],
-    ):
-        self.cfg, self.engine, self.track = cfg, engine, track
+    """The run's evaluation passes over the validation split, each rank reading its share."""
+
+    def __init__(self, cfg: RunConfig, engine: Engine, host_batch: int, tracker: Any):
+        """`tracker`: what records the images the loader's workers skip (its `track`)."""
+        self.cfg, self.engine, self.track = cfg, engine, tracker.track
+        shard = (engine.rank, engine.data_ranks)
+        image_size = input_size(cfg.model)[-1]
         self.args = (cfg.data, image_size, host_batch, shard, cfg.seed, cfg.model.num_classes)
 
     def _pass(self, ema: bool) -> dict[str, float]:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from accel.config import ConfigError, RunConfig
+from accel.cli.config import RunConfig
+from accel.config import ConfigError
 from accel.models.factory import create_model
 
 GIB = 2**30

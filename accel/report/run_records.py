@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from accel.config import BACKENDS
-from accel.summary import RunSummary
+from accel.report.summary import RunSummary
 
 LAYOUT = "<output>/<model>/<backend>/<run>/summary.json (launch_single_task's --output folder)"
 # Every run's numbers, one CSV row each.

@@ -26,7 +26,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from accel.run_records import Run, backend_order, fmt, repeats
+from accel.report.run_records import Run, backend_order, fmt, repeats
 
 COLOURS = {"eager": "#1f77b4", "compile": "#2ca02c", "xla": "#d62728", "jax": "#9467bd"}
 STYLES = {"eager": "-", "compile": "--", "xla": "-.", "jax": ":"}  # coinciding lines stay visible

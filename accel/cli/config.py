@@ -1,0 +1,340 @@
+"""The command line's run configuration: small frozen dataclasses, each option declared once with
+its help, flag and valid range. The command line is generated from them (options.py), the
+launcher settles what is left open (resolve.py), job.py turns them into the library's own configs
+(accel/config.py), and the final config is saved in the run folder.
+
+Field metadata keys: help, flag (default --<name>), choices, min/max (inclusive), above/below
+(exclusive), group (help section of a top-level field), cli=False (not an option), resume="same"
+(a checkpoint resumes only with the same value: it shapes the model or orders the data).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from accel.config import AMP_LEVELS, BACKENDS, PP_SCHEDULES, SHARD_MODES, ConfigError
+from accel.data.config import DataConfig
+from accel.models.factory import ModelConfig
+
+RECIPE_NAMES = ("swin_tiny_in1k", "deit_base_in1k", "vit_finetune")  # accel/recipes.py
+DEFAULT_EPOCHS = 1  # the run length when neither --steps nor --epochs is given
+
+
+def option(default: Any, help: str, **meta: Any) -> Any:
+    return field(default=default, metadata={"help": help, **meta})
+
+
+RUN, PRECISION, OUTPUT = "Run", "Precision and kernels", "Output, checkpoints and logging"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    lr: float = option(1e-3, "peak learning rate (AdamW)", above=0)
+    weight_decay: float = option(0.05, "AdamW weight decay (not on norms and biases)", min=0)
+    betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", min=0, below=1)
+    warmup_steps: int = option(0, "linear warm-up steps of the cosine schedule", min=0)
+    min_lr: float = option(1e-6, "learning rate at the end of the schedule", min=0)
+    clip_grad: float = option(1.0, "max gradient norm (0 = no clipping)", min=0)
+    grad_accum: int = option(1, "micro-steps per optimizer step", min=1)
+    warmup_epochs: float = option(0.0, "warm-up epochs (added to --warmup_steps)", min=0)
+    layer_decay: float = option(
+        0.0,
+        "layer-wise learning-rate decay, timm's (0 = off; 0.65-0.75 to fine-tune a ViT)",
+        min=0,
+        max=1,
+    )
+    model_ema: bool = option(False, "keep an exponential moving average of the weights")
+    model_ema_decay: float = option(0.9998, "its decay", min=0, below=1)
+    model_ema_warmup: bool = option(False, "warm the decay up, as timm's ModelEmaV3")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    nproc_per_node: int = option(1, "processes (eager, compile) or devices (xla, jax)", min=1)
+    shard: str = option(
+        "none",
+        "split weights, gradients and optimizer state over the data-parallel replicas: full "
+        "(FSDP2 per block on eager/compile; sharded arrays on jax), grad_op (weights kept "
+        "gathered through the step: ZeRO-2's traffic), none (replicas)",
+        choices=SHARD_MODES,
+    )
+    tp_head: int = option(1, "split the classifier's classes over N ranks: a dp x tp mesh", min=1)
+    pp: int = option(1, "cut a ViT into N pipeline stages: a dp x pp mesh", min=1)
+    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
+    pp_microbatches: int = option(4, "micro-batches a batch streams through the pipeline in", min=1)
+    nnodes: int = option(1, "hosts the job spans (one launcher a host)", min=1)
+    node_rank: int = option(0, "this host's place among them (with --master_addr)", min=0)
+    master_addr: str = option("", "rank 0's host, reachable from every node (static rendezvous)")
+    master_port: int = option(29500, "rank 0's port (static rendezvous)", min=1, max=65535)
+    rdzv_endpoint: str = option(
+        "", "host:port of a c10d rendezvous (instead of --master_addr/--master_port)"
+    )
+    rdzv_timeout: int = option(300, "seconds to wait for every node to join", min=1)
+
+
+@dataclass(frozen=True)
+class CompilerConfig:
+    max_recompiles: int = option(
+        -1, "stop when more graphs than this compile after warm-up (-1: no limit)", min=-1
+    )
+    compile_cache: str = option(
+        "", "persistent compilation cache folder (default OUTPUT/.compile_cache/BACKEND)"
+    )
+    loader_prefetch: int = option(8, "host batches queued ahead of the device transfer", min=1)
+    device_prefetch: int = option(4, "batches already on the device ahead of the step", min=1)
+    grad_reduce: str = option(
+        "all_reduce",
+        "xla: explicit xm.all_reduce of the gradients, or torch_xla's reduce_gradients (what "
+        "xm.optimizer_step does)",
+        choices=("all_reduce", "optimizer_step"),
+    )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    backend: str | None = option(
+        None, "default: eager, or the XLA path when USE_ACCEL=1", choices=BACKENDS, group=RUN
+    )
+    recipe: str = option(
+        "",
+        "a published recipe's hyper-parameters (explicit options override them)",
+        choices=("", *RECIPE_NAMES),
+        group=RUN,
+    )
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    compiler: CompilerConfig = field(default_factory=CompilerConfig)
+    batch_size: int = option(32, "images per device and micro-step", min=1, group=RUN)
+    steps: int | None = option(
+        None, f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)", min=1, group=RUN
+    )
+    epochs: int | None = option(None, "epochs (instead of --steps)", min=1, group=RUN)
+    seed: int = option(0, "seed of weights, data order and augmentation", group=RUN, resume="same")
+    nan_policy: str = option(
+        "stop",
+        "a step with a non-finite loss or gradient never updates the weights; then skip it and "
+        "go on, or stop (checkpoint, exit 4) at the next loss fetch (--log_every)",
+        choices=("skip", "stop"),
+        group=RUN,
+    )
+    amp_level: str = option("O0", "mixed precision level", choices=AMP_LEVELS, group=PRECISION)
+    amp_dtype: str = option(
+        "bfloat16", "low-precision dtype", choices=("bfloat16", "float16"), group=PRECISION
+    )
+    kernel_opt: bool = option(
+        False,
+        "the backend's extra fused paths (--backends lists them)",
+        flag="--kernel-opt",
+        group=PRECISION,
+    )
+    remat: bool = option(
+        False, "recompute activations in the backward (less memory)", group=PRECISION
+    )
+    output: str = option("runs", "output folder", group=OUTPUT)
+    run_name: str = option("", "run folder name (default: a timestamp)", group=OUTPUT)
+    resume: str = option(
+        "", "'auto' (latest checkpoint of this run) or a checkpoint path", group=OUTPUT
+    )
+    save_every: int = option(
+        0, "steps between checkpoints (0: at the end only)", min=0, group=OUTPUT
+    )
+    keep_checkpoints: int = option(3, "checkpoints kept (0 keeps all)", min=0, group=OUTPUT)
+    log_every: int = option(10, "steps between loss fetches and log lines", min=1, group=OUTPUT)
+    eval: bool = option(True, "skip the final evaluation", flag="--no-eval", group=OUTPUT)
+    eval_only: bool = option(
+        False,
+        "evaluate the --resume checkpoint or --pretrained(_path) weights, without training",
+        group=OUTPUT,
+    )
+    eval_every: int = option(
+        0, "epochs between evaluations during training (0: at the end only)", min=0, group=OUTPUT
+    )
+    timing_warmup_steps: int = option(2, "first steps left out of img/s", min=0, group=OUTPUT)
+    peak_tflops: float = option(
+        0.0, "accelerator bf16 peak TFLOP/s for MFU (default: looked up)", min=0, group=OUTPUT
+    )
+
+    def compile_cache_dir(self) -> Path:
+        cache = self.compiler.compile_cache
+        return Path(cache or Path(self.output) / ".compile_cache" / str(self.backend))
+
+    def run_dir(self) -> Path:
+        return Path(self.output) / self.model.name / str(self.backend) / self.run_name
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# --- reading and walking the dataclass tree --------------------------------------------------
+def field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Field, Any]]:
+    """(dotted path, field, type) of every non-dataclass field, depth first."""
+    out = []
+    types = field_types(cls)
+    for f in dataclasses.fields(cls):
+        kind = types[f.name]
+        if dataclasses.is_dataclass(kind):
+            out += leaf_fields(kind, f"{prefix}{f.name}.")
+        else:
+            out.append((prefix + f.name, f, kind))
+    return out
+
+
+def from_dict(cls: type, raw: dict[str, Any]) -> Any:
+    """A (frozen) dataclass from a nested dict, defaults for what it leaves out; the inverse of
+    dataclasses.asdict, and how the parsed command line becomes a config."""
+    types = field_types(cls)
+    values = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        kind, value = types[f.name], raw[f.name]
+        if dataclasses.is_dataclass(kind):
+            value = from_dict(kind, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        values[f.name] = value
+    return cls(**values)
+
+
+def get_path(cfg: Any, dotted: str) -> Any:
+    for key in dotted.split("."):
+        cfg = getattr(cfg, key)
+    return cfg
+
+
+def set_nested(nested: dict, dotted: str, value: Any, keep: bool = False) -> None:
+    """Set a dotted key in a nested dict of options (`keep`: unless it is already set)."""
+    *parents, leaf = dotted.split(".")
+    for key in parents:
+        nested = nested.setdefault(key, {})
+    if keep:
+        nested.setdefault(leaf, value)
+    else:
+        nested[leaf] = value
+
+
+def replace_path(cfg: Any, dotted: str, value: Any) -> Any:
+    """A copy of a frozen config with one (nested) field changed."""
+    head, _, rest = dotted.partition(".")
+    if not rest:
+        return dataclasses.replace(cfg, **{head: value})
+    return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})
+
+
+def flag_of(path: str, f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + path.rsplit(".", 1)[-1])
+
+
+def data_replicas(cfg: RunConfig) -> int:
+    """Devices the data is split over: every node's processes or devices, over the
+    model-parallel size (the ranks of a tp or pp group train on the same batch)."""
+    par = cfg.parallel
+    return par.nnodes * par.nproc_per_node // max(par.tp_head, par.pp)
+
+
+def global_batch(cfg: RunConfig) -> int:
+    """Images an optimizer step trains on: what a checkpoint must resume with (its data order
+    is then the saved run's where the replicas are too; --batch_size may be split otherwise)."""
+    return cfg.batch_size * data_replicas(cfg) * cfg.optim.grad_accum
+
+
+def resume_keys() -> list[str]:
+    """Options a checkpoint must be resumed with unchanged (metadata resume="same")."""
+    return [path for path, f, _ in leaf_fields(RunConfig) if f.metadata.get("resume") == "same"]
+
+
+# --- validation: ranges from the metadata, then what ties options together --------------------
+def _range_error(flag: str, value: Any, meta: dict) -> str | None:
+    values = value if isinstance(value, tuple) else (value,)
+    for v in values:
+        if isinstance(v, float) and not math.isfinite(v):
+            return f"{flag} must be a finite number, got {v}"
+        for key, ok, word in (
+            ("min", lambda x, b: x >= b, ">="),
+            ("max", lambda x, b: x <= b, "<="),
+            ("above", lambda x, b: x > b, ">"),
+            ("below", lambda x, b: x < b, "<"),
+        ):
+            if key in meta and isinstance(v, int | float) and not ok(v, meta[key]):
+                return f"{flag} must be {word} {meta[key]}, got {value}"
+    return None
+
+
+def check_ranges(cfg: RunConfig) -> None:
+    """Every option against the range and choices it declares."""
+    for path, f, _ in leaf_fields(RunConfig):
+        value, meta = get_path(cfg, path), f.metadata
+        if value is None or meta.get("cli") is False:
+            continue
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            raise ConfigError(f"{flag_of(path, f)}: '{value}' is not one of {', '.join(choices)}")
+        problem = _range_error(flag_of(path, f), value, meta)
+        if problem:
+            raise ConfigError(problem)
+
+
+def check_combinations(cfg: RunConfig) -> None:
+    """Options that cannot work together, whatever the backend."""
+    par = cfg.parallel
+    procs = par.nnodes * par.nproc_per_node
+    if cfg.steps is not None and cfg.epochs is not None:
+        raise ConfigError("give --steps or --epochs, not both")
+    if cfg.data.mixup.enabled and cfg.batch_size % 2:
+        raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
+    if par.tp_head > 1 and par.pp > 1:
+        raise ConfigError("--tp_head and --pp cannot be combined")
+    for flag, size in (("--tp_head", par.tp_head), ("--pp", par.pp)):
+        if size > 1 and par.shard != "none":
+            raise ConfigError(f"{flag} and --shard cannot be combined")
+        if size > 1 and procs % size:
+            where = f" x --nnodes {par.nnodes}" if par.nnodes > 1 else ""
+            raise ConfigError(
+                f"--nproc_per_node {par.nproc_per_node}{where} is not divisible by {flag} {size}"
+            )
+    if par.nnodes > 1 and not (par.master_addr or par.rdzv_endpoint):
+        raise ConfigError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
+    if par.nnodes > 1 and not cfg.run_name:
+        raise ConfigError("--nnodes > 1: give every node the same --run_name")
+    if par.node_rank >= par.nnodes:
+        raise ConfigError(f"--node_rank {par.node_rank} is not below --nnodes {par.nnodes}")
+    check_training_options(cfg)
+    if par.pp > 1 and cfg.batch_size % par.pp_microbatches:
+        raise ConfigError(
+            f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "
+            f"{par.pp_microbatches}"
+        )
+
+
+def check_training_options(cfg: RunConfig) -> None:
+    """Augmentation, fine-tuning and evaluation options that cannot work together."""
+    data, model = cfg.data, cfg.model
+    for flag, (low, high) in (("--scale", data.scale), ("--ratio", data.ratio)):
+        if low > high:
+            raise ConfigError(f"{flag} {low} {high}: the first value is the lower bound")
+    if data.reprob > 0 and cfg.parallel.pp > 1:
+        raise ConfigError("--reprob with --pp: random erasing is not part of the pipeline stages")
+    if model.pretrained and model.pretrained_path:
+        raise ConfigError("give --pretrained or --pretrained_path, not both")
+    if cfg.eval_only and not (cfg.resume or model.pretrained or model.pretrained_path):
+        raise ConfigError("--eval_only evaluates --resume's checkpoint or --pretrained(_path)")
+
+
+def validate(cfg: RunConfig) -> None:
+    check_ranges(cfg)
+    check_combinations(cfg)
