@@ -53,6 +53,7 @@ test-latest: $(LATEST)/.installed
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python bench/compare_backends.py --models vit_micro,swin_micro \

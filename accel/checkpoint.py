@@ -21,7 +21,7 @@ import uuid
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import numpy as np
 import torch
@@ -62,7 +62,9 @@ def checkpoint_dir(run_dir: Path) -> Path:
 def host_rng_state() -> dict[str, torch.Tensor]:
     """Python, numpy and torch CPU generators (a device's belongs to the backend), as tensors."""
     version, internal, gauss = random.getstate()
-    _, keys, pos, has_gauss, cached = np.random.get_state()
+    # numpy's stubs type the default (legacy) state as the dict form; it is this tuple.
+    legacy = cast(tuple[str, np.ndarray, int, int, float], np.random.get_state())
+    _, keys, pos, has_gauss, cached = legacy
     return {
         "python": torch.tensor([version, *internal], dtype=torch.int64),
         "python_gauss": torch.tensor([gauss is not None, gauss or 0.0], dtype=torch.float64),
@@ -300,7 +302,7 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     if not folder.is_dir():
         return []
     found = [p for p in folder.iterdir() if PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(PATTERN.match(p.name).group(1)))
+    return sorted(found, key=lambda p: int(cast(re.Match, PATTERN.match(p.name)).group(1)))
 
 
 def latest_checkpoint(run_dir: Path) -> Path | None:

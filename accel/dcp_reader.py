@@ -18,11 +18,11 @@ import pickle
 import struct
 import zipfile
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -89,7 +89,8 @@ class FileSlice(io.RawIOBase):
 
 def _read_exact(source: Any, target: torch.Tensor) -> None:
     """Fill a contiguous CPU tensor from `source`, byte for byte."""
-    buffer = memoryview(target.view(-1).view(torch.uint8).numpy())
+    # numpy's stubs declare ndarray's buffer protocol only for Python >= 3.12.
+    buffer = memoryview(target.view(-1).view(torch.uint8).numpy())  # type: ignore[arg-type]
     done = 0
     while done < len(buffer):
         got = source.readinto(buffer[done:])
@@ -103,7 +104,7 @@ class SafeReader(FileSystemReader):
         metadata = read_index(Path(self.path))
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
+        cast(StorageMeta, metadata.storage_meta).load_id = self.load_id
         return metadata
 
     def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs):
@@ -128,7 +129,7 @@ class SafeReader(FileSystemReader):
 
     def _read_tensor(self, f: io.BufferedReader, item: ReadItem, planner: LoadPlanner) -> None:
         info = self.storage_data[item.storage_index]
-        meta = self.index[item.storage_index.fqn]
+        meta = cast(TensorStorageMetadata, self.index[item.storage_index.fqn])  # BYTE_IO: refused
         chunk = next(c for c in meta.chunks if c.offsets == item.storage_index.offset)
         target = planner.resolve_tensor(item).detach()
         dtype = meta.properties.dtype

@@ -144,7 +144,7 @@ def prepare(
     seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
     quiet: say nothing at start (default: one line naming the backend and why).
     state: an object with a `step` count and state_dict/load_state_dict (a
-        torch.distributed.checkpoint Stateful) that `save` and `load` carry; its `step` counts
+        torch.distributed.checkpoint Stateful) that `save` and `load` keep; its `step` counts
         the optimizer steps (default: a step count alone).
     config: every backend setting at once, as the library's typed config (accel.config:
         StepConfig, MeshConfig and CompilerConfig: the split classifier, the pipeline, remat,
@@ -425,7 +425,9 @@ def check_sharded(batches: Iterable, ranks: int) -> None:
     """Under several processes a DataLoader must hand each rank its own part."""
     if ranks < 2 or not isinstance(batches, DataLoader):
         return
-    sampler = batches.batch_sampler.sampler if batches.batch_sampler else batches.sampler
+    # A DataLoader's batch_sampler is a BatchSampler (torch types it as any iterable).
+    batch_sampler: Any = batches.batch_sampler
+    sampler = batch_sampler.sampler if batch_sampler else batches.sampler
     if not isinstance(sampler, DistributedSampler):
         raise AccelError(
             f"{ranks} processes read the same DataLoader: give it "

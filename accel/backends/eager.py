@@ -59,7 +59,7 @@ class Compiler(Protocol):
 
     def mark_warmup_done(self) -> None: ...
 
-    def stats(self) -> dict[str, int]:
+    def stats(self) -> dict[str, Any]:
         """graphs_compiled and compiles_after_warmup (BackendStats' fields)."""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import traceback
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -17,7 +18,7 @@ from accel.config import ConfigError
 # torch.Tensor methods that hand a value to Python (each waits for the device).
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
 # Frames of these folders are the libraries', not the user's.
-LIBRARIES = tuple(str(Path(m.__file__).resolve().parent) for m in (torch, contextlib))
+LIBRARIES = tuple(str(Path(cast(str, m.__file__)).resolve().parent) for m in (torch, contextlib))
 OURS = str(Path(__file__).resolve().parents[1])
 
 

@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import numpy as np
 import torch
@@ -78,7 +78,8 @@ try:
     not_an_accelerator(torchax.device_module)
     IMPORT_ERROR: BaseException | None = None
 except Exception as err:  # reported by require() as one line: missing, or not for this torch
-    jax, IMPORT_ERROR = None, err
+    # None where it cannot be imported: require() refuses before any use.
+    jax, IMPORT_ERROR = None, err  # type: ignore[assignment]
 
 
 # JAX's GPU client takes this fraction of the card when it starts (its default, 0.75, leaves a
@@ -118,10 +119,11 @@ def coordination() -> tuple[str, int, int] | None:
         raise ConfigError(
             f"multi-process jax needs all of {', '.join(COORDINATION)}: {missing} unset"
         )
+    given = cast(dict[str, str], found)  # all set: checked above
     return (
-        found["JAX_COORDINATOR_ADDRESS"],
-        int(found["JAX_NUM_PROCESSES"]),
-        int(found["JAX_PROCESS_ID"]),
+        given["JAX_COORDINATOR_ADDRESS"],
+        int(given["JAX_NUM_PROCESSES"]),
+        int(given["JAX_PROCESS_ID"]),
     )
 
 
@@ -353,7 +355,7 @@ class JaxBackend:
         # compile a kernel of its own.
         init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         self.opt_state = init(self.params)
-        self.objectives: dict[Callable, Callable] = {}
+        self.objectives: dict[Callable | tuple[str, Callable], Callable] = {}
         self.step_fn = self._jit_step()
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
 
@@ -497,8 +499,8 @@ class JaxBackend:
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
                 arrays = batch if isinstance(batch[0], jax.Array) else self._put(batch)
-                sums = fn(params, self.buffers, *arrays)
-                totals = sums if totals is None else jax.tree.map(jnp.add, totals, sums)
+                batch_sums = fn(params, self.buffers, *arrays)
+                totals = batch_sums if totals is None else jax.tree.map(jnp.add, totals, batch_sums)
         return {k: float(host_value(v)) for k, v in sorted((totals or {}).items())}
 
     def eval_params(self, ema: bool) -> dict:

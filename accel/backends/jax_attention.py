@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -46,7 +47,7 @@ def padded_attention(
     mask: jax.Array | None = None,
     scale: float | None = None,
     is_causal: bool = False,
-    implementation: str | None = "cudnn",
+    implementation: Literal["xla", "cudnn"] | None = "cudnn",
     multiple: int = FLASH_MULTIPLE,
 ) -> jax.Array:
     """[B, T, heads, D] attention with T padded to `multiple` and the true length passed on;

@@ -30,7 +30,8 @@ def fused_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Ten
     """Fused AdamW leaves weights, moments and step count as they were where `found_inf` is 1,
     on the device. fp16 loss scaling keeps torch's scaler, which decides on the host."""
     if not scaler.is_enabled():
-        optimizer.found_inf = (~finite).float()
+        # Read by fused AdamW's step; torch's Optimizer type does not declare it.
+        optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
         optimizer.step()
         return
     if bool(finite):
@@ -113,7 +114,7 @@ class TorchCore:
         self,
         modules: list[nn.Module],
         build_optimizer: Callable[[list[tuple[str, torch.Tensor]]], torch.optim.Optimizer],
-        classifier: list[nn.Parameter] = (),
+        classifier: Sequence[nn.Parameter] = (),
         ema: bool = False,
     ) -> None:
         """Build the optimizer over the trainable parameters of `modules` (any part of the

@@ -12,15 +12,16 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
-from accel.backends.base import LossFn, MetricFn, ModelInit
+from accel.backends.base import Batch, LossFn, MetricFn, ModelInit
 from accel.backends.torch_core import TorchCore, accumulate, local_norm
 from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
@@ -36,7 +37,6 @@ from accel.parallel import fsdp, pipeline, tp_head
 from accel.parallel.materialize import allocate, fill_from_rank0, is_meta, named_tensors, whole
 from accel.parallel.mesh import MeshLayout
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 ForwardLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -83,7 +83,7 @@ class Replicas:
     def sync(self, last: bool):
         """No DDP all-reduce on the micro-steps before the last of an accumulation."""
         if self.data_parallel[1] > 1 and not last:
-            return self.forward.no_sync()
+            return cast(DistributedDataParallel, self.forward).no_sync()  # wrap() made it DDP
         return contextlib.nullcontext()
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -164,7 +164,7 @@ class SplitLayout(Replicas):
         allocate(modules, self.device)
         parts = {n: t for m in modules for n, t in named_tensors(m)}
         parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
-        fill_from_rank0(parts, reference, init, self.device)
+        fill_from_rank0(parts, reference, cast(ModelInit, init), self.device)  # set, or refused
         return modules
 
 
@@ -202,7 +202,7 @@ class Shards(SplitLayout):
 
     def sync(self, last: bool):
         """No reduce-scatter before the last micro-step (read in the backward: set, not scoped)."""
-        self.module.set_requires_gradient_sync(last)
+        cast(FSDPModule, self.module).set_requires_gradient_sync(last)  # fully_shard made it one
         return contextlib.nullcontext()
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -223,7 +223,7 @@ class SplitHead(SplitLayout):
         remat(model, self.cfg.step.remat)
 
         def split(meta: nn.Module) -> list[nn.Module]:
-            self.head = tp_head.apply_tp_head(meta.model, self.mesh)
+            self.head = tp_head.apply_tp_head(cast(ImageClassifier, meta).model, self.mesh)
             mine = {id(p) for p in self.head.parameters()}
             self.head_names = {n for n, p in meta.named_parameters() if id(p) in mine}
             return [meta]
@@ -286,8 +286,8 @@ class Pipeline(SplitLayout):
         classifier_only(model, "the pipeline (pp)")
         mesh = self.cfg.mesh
 
-        def split(meta: nn.Module) -> list[nn.Module]:
-            self.plan = pipeline.cut_vit(meta, self.mesh, mesh.pp_schedule)
+        def split(meta: nn.Module) -> list[pipeline.ViTStage]:
+            self.plan = pipeline.cut_vit(cast(ImageClassifier, meta), self.mesh, mesh.pp_schedule)
             return self.plan.stages
 
         stages = self.materialize(model, init, split)

@@ -56,12 +56,13 @@ def removed_ops() -> Iterator[None]:
         return
     namespace, packet = torch._ops._OpNamespace, torch._ops.OpOverloadPacket
     saved = namespace.__getattr__, packet.__getattr__
-    namespace.__getattr__ = _tolerant(saved[0], lambda ns: ns.name)
-    packet.__getattr__ = _tolerant(saved[1], lambda p: p._qualified_op_name)
+    # The classes' own lookups, patched on purpose for the block and restored after it.
+    namespace.__getattr__ = _tolerant(saved[0], lambda ns: ns.name)  # type: ignore[method-assign]
+    packet.__getattr__ = _tolerant(saved[1], lambda p: p._qualified_op_name)  # type: ignore[method-assign]
     try:
         yield
     finally:
-        namespace.__getattr__, packet.__getattr__ = saved
+        namespace.__getattr__, packet.__getattr__ = saved  # type: ignore[method-assign]
 
 
 def not_an_accelerator(device_module) -> None:

@@ -26,9 +26,9 @@ import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -82,7 +82,7 @@ try:
         import torch_xla.distributed.spmd as xs
         import torch_xla.runtime as xr
 except ImportError:  # reported by require() as one line with the install command
-    torch_xla = None
+    torch_xla = None  # type: ignore[assignment]  # None where it cannot be imported
 
 
 def check_versions(torch_version: str, xla_version: str) -> None:
@@ -178,7 +178,7 @@ class ParamGroups:
     """The optimizer view xm.reduce_gradients reads: the model's own parameters, whose gradients
     exist before they are copied to fp32 masters (O2)."""
 
-    def __init__(self, params: list[torch.Tensor]):
+    def __init__(self, params: Sequence[torch.Tensor]):
         self.param_groups = [{"params": params}]
 
 
@@ -193,7 +193,8 @@ def syncfree_extra_state(param: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def syncfree_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
     """torch_xla's syncfree AdamW skips the update in its own kernel."""
-    optimizer.step(found_inf=(~finite).float())
+    # syncfree AdamW's step takes found_inf; torch's Optimizer.step type does not.
+    optimizer.step(found_inf=(~finite).float())  # type: ignore[call-overload]
 
 
 class XlaBackend:
@@ -227,6 +228,8 @@ class XlaBackend:
         guard = syncfree_guard if self.syncfree else where_guard
         extra = syncfree_extra_state if self.syncfree else None
         self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
+        # (device type, backend) -> the context the step runs in: RefuseHostReads once adopted
+        self.host_reads: Callable[[str, str], contextlib.AbstractContextManager]
         self.host_reads = lambda *_: contextlib.nullcontext()
         self.compiles_at_start = compile_count()  # the counters are per process, not per run
         self.compiles_at_warmup: int | None = None
@@ -252,7 +255,7 @@ class XlaBackend:
             from torch_xla.amp import syncfree
 
             return spec.build(named, optimizer_class=syncfree.AdamW)
-        flags = {} if spec.kind == "SGD" else {"capturable": True}
+        flags: dict[str, Any] = {} if spec.kind == "SGD" else {"capturable": True}
         return spec.build(named, **flags)
 
     def attach(
@@ -268,7 +271,7 @@ class XlaBackend:
 
             self.forward = SpmdFullyShardedDataParallel(self.module, mesh=self.mesh)
         # Device random draws (dropout, stochastic depth) differ between replicas.
-        xm.set_rng_state(self.cfg.step.seed + self.ctx.rank, self.device)
+        xm.set_rng_state(self.cfg.step.seed + self.ctx.rank, str(self.device))
         self.core.attach([self.module], build_optimizer, head, self.cfg.step.ema)
         self.loss_fn = loss_fn
 
@@ -334,7 +337,8 @@ class XlaBackend:
         if not self.ctx.distributed:
             return
         if self.cfg.compiler.grad_reduce == "optimizer_step":  # what xm.optimizer_step does
-            xm.reduce_gradients(ParamGroups(self.core.params))
+            # ParamGroups stands in for the optimizer: reduce_gradients reads only param_groups.
+            xm.reduce_gradients(ParamGroups(self.core.params))  # type: ignore[arg-type]
             return
         grads = [p.grad for p in self.core.params if p.grad is not None]
         xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / self.ctx.world_size)
@@ -343,7 +347,8 @@ class XlaBackend:
         if not self.ctx.distributed:
             return value
         scale = 1.0 / self.ctx.world_size if mean else 1.0
-        return xm.all_reduce(xm.REDUCE_SUM, value, scale=scale)
+        # A tensor in, a tensor out (a list only for a list in).
+        return cast(torch.Tensor, xm.all_reduce(xm.REDUCE_SUM, value, scale=scale))
 
     def step_done(self) -> None:
         torch_xla.sync()
@@ -412,18 +417,19 @@ class XlaBackend:
                 xs.mark_sharding(param, self.mesh, (self.axis,) + (None,) * (param.dim() - 1))
 
     def rng_state(self) -> dict[str, torch.Tensor]:
-        seed = xm.get_rng_state(self.device)  # an unsigned 64-bit seed: kept as two halves
+        seed = xm.get_rng_state(str(self.device))  # an unsigned 64-bit seed: kept as two halves
         return {"xla": torch.tensor([seed >> 32, seed & 0xFFFFFFFF], dtype=torch.int64)}
 
     def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
         if "xla" in state:
             high, low = state["xla"].tolist()
-            xm.set_rng_state((high << 32) | low, self.device)
+            xm.set_rng_state((high << 32) | low, str(self.device))
 
     def any_rank(self, flag: bool) -> bool:
         if not self.ctx.distributed:
             return flag
-        value = xm.all_reduce(xm.REDUCE_MAX, torch.tensor([float(flag)], device=self.device))
+        local = torch.tensor([float(flag)], device=self.device)
+        value = cast(torch.Tensor, xm.all_reduce(xm.REDUCE_MAX, local))
         return bool(value.cpu().item())
 
     def synchronize(self) -> None:

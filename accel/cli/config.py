@@ -14,9 +14,10 @@ import dataclasses
 import json
 import math
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from accel.config import AMP_LEVELS, BACKENDS, PP_SCHEDULES, SHARD_MODES, ConfigError
 from accel.data.config import DataConfig
@@ -188,7 +189,7 @@ def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Fiel
     for f in dataclasses.fields(cls):
         kind = types[f.name]
         if dataclasses.is_dataclass(kind):
-            out += leaf_fields(kind, f"{prefix}{f.name}.")
+            out += leaf_fields(cast(type, kind), f"{prefix}{f.name}.")
         else:
             out.append((prefix + f.name, f, kind))
     return out
@@ -204,7 +205,7 @@ def from_dict(cls: type, raw: dict[str, Any]) -> Any:
             continue
         kind, value = types[f.name], raw[f.name]
         if dataclasses.is_dataclass(kind):
-            value = from_dict(kind, value)
+            value = from_dict(cast(type, kind), value)
         elif isinstance(value, list):
             value = tuple(value)
         values[f.name] = value
@@ -259,7 +260,7 @@ def resume_keys() -> list[str]:
 
 
 # --- validation: ranges from the metadata, then what ties options together --------------------
-def _range_error(flag: str, value: Any, meta: dict) -> str | None:
+def _range_error(flag: str, value: Any, meta: Mapping[str, Any]) -> str | None:
     values = value if isinstance(value, tuple) else (value,)
     for v in values:
         if isinstance(v, float) and not math.isfinite(v):

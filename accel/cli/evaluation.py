@@ -4,7 +4,7 @@ weights and (with --model_ema) of their EMA, at the end and every --eval_every e
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, cast
 
 from accel.cli.config import RunConfig
 from accel.data.loaders import build_eval_loader
@@ -30,7 +30,8 @@ class Evaluator:
         self.cfg, self.engine, self.track = cfg, engine, tracker.track
         shard = (engine.rank, engine.data_ranks)
         image_size = input_size(cfg.model)[-1]
-        self.args = (cfg.data, image_size, host_batch, shard, cfg.seed, cfg.model.num_classes)
+        classes = cast(int, cfg.model.num_classes)  # settled by resolve()
+        self.args = (cfg.data, image_size, host_batch, shard, cfg.seed, classes)
 
     def _pass(self, ema: bool) -> dict[str, float]:
         loader = build_eval_loader(*self.args)

@@ -17,6 +17,7 @@ import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, cast
 
 import torch
 
@@ -44,12 +45,13 @@ SAFETENSORS_DTYPES = {
 def _folder_tensors(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
     """Each key of a checkpoint folder, read alone (DCP reads only its chunks)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from accel.dcp_reader import SafeReader, TensorsOnly, read_index
 
     index = read_index(path).state_dict_metadata
     for key in keys:
-        meta = index[key]
+        meta = cast(TensorStorageMetadata, index[key])  # the keys of stored tensors
         target = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
         dcp.load({key: target}, storage_reader=SafeReader(path), planner=TensorsOnly())
         yield key, target
@@ -76,6 +78,7 @@ def write_safetensors(out: Path, named: list[tuple[str, torch.Tensor]], meta: di
     """The safetensors format written one tensor at a time (the library's own writers take
     every tensor at once): an 8-byte header length, a JSON header of names, dtypes, shapes and
     byte offsets, then the raw bytes in header order."""
+    header: dict[str, dict[str, Any]]
     header, offset = {"__metadata__": {k: str(v) for k, v in meta.items()}}, 0
     for name, tensor in named:
         size = tensor.numel() * tensor.element_size()

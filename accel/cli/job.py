@@ -6,7 +6,8 @@ loss, timm's cosine schedule and the EMA decay. Nothing here touches a backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import cast
 
 import torch
 from timm.optim import param_groups_layer_decay, param_groups_weight_decay
@@ -28,7 +29,7 @@ def parameter_settings(model: nn.Module, cfg: OptimConfig) -> Settings:
     """timm's optimizer rules, by the name each parameter has in `model` (an ImageClassifier,
     possibly on the meta device): no weight decay on norms, biases and the timm model's own
     no_weight_decay() names; with --layer_decay, timm's per-layer learning-rate scales."""
-    inner = model.model
+    inner = cast(ImageClassifier, model).model
     no_decay = getattr(inner, "no_weight_decay", None)  # timm's names without weight decay
     skip = no_decay() if no_decay else ()
     if cfg.layer_decay:
@@ -45,7 +46,7 @@ def parameter_settings(model: nn.Module, cfg: OptimConfig) -> Settings:
     }
 
 
-def param_groups(named: list[tuple[str, torch.Tensor]], settings: Settings) -> list[dict]:
+def param_groups(named: Sequence[tuple[str, torch.Tensor]], settings: Settings) -> list[dict]:
     """Optimizer groups of `named` parameters (any part of the model) by their settings."""
     buckets: dict[tuple[float, float], list[torch.Tensor]] = {}
     for name, param in named:

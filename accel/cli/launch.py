@@ -14,7 +14,9 @@ import signal
 import sys
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 START = time.perf_counter()  # before the heavy imports below: time_to_first_step counts them
 
@@ -57,7 +59,7 @@ SPAWNED = "ACCEL_SPAWNED"  # set for the ranks this launcher starts
 RESOLVED = "ACCEL_RESOLVED_CONFIG"  # the launcher's resolved config (JSON), for those ranks
 
 
-def job_exit_code(failures: dict[int, object]) -> tuple[int, list[int]]:
+def job_exit_code(failures: Mapping[int, Any]) -> tuple[int, list[int]]:
     """The job's exit code and the failed ranks, those that failed on their own first: one of
     our exit codes, then any failure but the SIGTERM the launcher sends to the survivors (torch
     2.15 may record that before the failure that caused it), each group by time."""
@@ -270,7 +272,7 @@ def one_line_warnings() -> None:
             return usual(message, category, filename, lineno, file, line)
         tqdm.write(f"warning: {message}", file=file or sys.stderr)
 
-    show.one_line = True
+    show.one_line = True  # type: ignore[attr-defined]  # a marker on the function, read above
     warnings.showwarning = show
 
 

@@ -58,6 +58,7 @@ def available_host_bytes() -> int | None:
 def check_memory(cfg: RunConfig, replicas: str, on_gpu: bool) -> None:
     """One line, before any work, when the state alone exceeds the memory there is."""
     held, procs = process_state_bytes(cfg, replicas)
+    have: int | None
     if on_gpu:
         have, where = torch.cuda.mem_get_info()[1], "of GPU memory per process"
         need = held

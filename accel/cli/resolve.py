@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -78,7 +79,7 @@ def mesh_notes(cfg: RunConfig) -> list[str]:
         return []
     if par.pp > 1:
         return [f"{line}, {par.pp_schedule} schedule, {par.pp_microbatches} micro-batches"]
-    classes, size = cfg.model.num_classes, par.tp_head
+    classes, size = cast(int, cfg.model.num_classes), par.tp_head  # settled by resolve()
     padded = -(-classes // size) * size
     if padded == classes:
         return [line]

@@ -9,9 +9,9 @@ import dataclasses
 import random
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sized
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -170,13 +170,14 @@ class TrainData:
         host_batch = cfg.batch_size * engine.local_devices
         shard = (engine.rank, engine.data_ranks)
         loader = build_train_loader(
-            cfg.data, image_size, host_batch, shard, cfg.seed, cfg.model.num_classes,
+            cfg.data, image_size, host_batch, shard, cfg.seed, cast(int, cfg.model.num_classes),
             pin_memory=engine.pin_memory,
         )  # fmt: skip
-        per_epoch = len(loader.batch_sampler) // cfg.optim.grad_accum
+        per_epoch = len(cast(Sized, loader.batch_sampler)) // cfg.optim.grad_accum
         if per_epoch < 1:
             raise ConfigError("an epoch holds fewer batches than --grad_accum")
-        return cls(loader, host_batch, per_epoch, cfg.steps or cfg.epochs * per_epoch)
+        # resolve() settles --epochs where --steps is not given
+        return cls(loader, host_batch, per_epoch, cfg.steps or cast(int, cfg.epochs) * per_epoch)
 
 
 class StepLog:
@@ -184,7 +185,8 @@ class StepLog:
     logged with the group's timing, and a non-finite step skipped or stopped at."""
 
     def __init__(self, trainer: Trainer):
-        self.t, self.pending = trainer, []
+        self.t = trainer
+        self.pending: list[tuple[int, Any, float]] = []  # (step, handle, lr)
         self.nonfinite_stop: int | None = None  # the step that stops the run (--nan_policy stop)
 
     def add(self, step: int, handle: Any, lr: float) -> None:

@@ -83,7 +83,8 @@ def secondary(cfg: DataConfig, size: int) -> Callable[[Image.Image], Image.Image
     _, stage, _ = transforms_imagenet_train(
         size,
         hflip=0.0,
-        color_jitter=jitter,
+        # timm takes None (no colour jitter), though its annotation leaves None out.
+        color_jitter=jitter,  # type: ignore[arg-type]
         auto_augment=cfg.aa or None,
         interpolation=resampling,  # what auto-augment's geometric ops resample with
         use_prefetcher=True,

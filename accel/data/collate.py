@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 import torch
@@ -63,7 +64,7 @@ def erase_batch(samples: list[Sample]) -> dict:
     """{'erase': int32 [B, K, 6]} where the samples carry erasing rectangles, else {}."""
     if samples[0][4] is None:
         return {}
-    return {"erase": torch.from_numpy(np.stack([s[4] for s in samples]))}
+    return {"erase": torch.from_numpy(np.stack([cast(np.ndarray, s[4]) for s in samples]))}
 
 
 class TrainCollate:
@@ -95,7 +96,7 @@ class TrainCollate:
             return None
         if self.mixup_cfg.mode != "batch":
             raise ValueError(f"mixup mode {self.mixup_cfg.mode!r}: only 'batch' is drawn ahead")
-        mixup = self.mixup
+        mixup = cast(FastCollateMixup, self.mixup)  # set: mixup is active
         with seeded_numpy(key_seed(self.seed, key.epoch, key.batch)):
             # timm's own parameter draw (private, but the one FastCollateMixup calls).
             lam, use_cutmix = mixup._params_per_batch()
@@ -105,7 +106,8 @@ class TrainCollate:
                 box, lam = cutmix_bbox_and_lam(
                     image_shape, lam, ratio_minmax=minmax, correct_lam=correct
                 )
-        return MixPlan(float(lam), tuple(int(v) for v in box) if box else None)
+        edges = tuple(int(v) for v in box) if box else None
+        return MixPlan(float(lam), cast("tuple[int, int, int, int] | None", edges))
 
     def targets(self, labels: torch.Tensor, plan: MixPlan | None) -> torch.Tensor:
         lam = 1.0 if plan is None else plan.lam
@@ -114,8 +116,9 @@ class TrainCollate:
     def __call__(self, samples: list[Sample]) -> dict:
         key = samples[0][3]
         if self.mixup_active(key.epoch):
+            mixup = cast(FastCollateMixup, self.mixup)  # set: mixup is active
             with seeded_numpy(key_seed(self.seed, key.epoch, key.batch)):
-                images, targets = self.mixup([(s[0].numpy(), s[1]) for s in samples])
+                images, targets = mixup([(s[0].numpy(), s[1]) for s in samples])
         else:
             images = torch.stack([s[0] for s in samples])
             labels = torch.tensor([s[1] for s in samples], dtype=torch.int64)

@@ -108,8 +108,8 @@ class DeviceDecoder:
         decoded = dict(zip(jpegs, self.decode(datas), strict=True))
         crops = []
         for i, item in enumerate(items):
-            if decoded.get(i) is not None:
-                crops.append(self.crop(decoded[i], item, batch["keys"][i]))
+            if (image := decoded.get(i)) is not None:
+                crops.append(self.crop(image, item, batch["keys"][i]))
                 continue
             if i in decoded:  # the device decoder refused it: the CPU path decides
                 item, labels[i], more, _, _ = self.fallback[batch["keys"][i]]

@@ -7,9 +7,9 @@ import copy
 import multiprocessing
 import os
 import random
-from collections.abc import Iterator
+from collections.abc import Iterator, Sized
 from multiprocessing import forkserver
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -19,7 +19,13 @@ from accel.data.augment import erase_boxes
 from accel.data.collate import TrainCollate, eval_collate
 from accel.data.config import DataConfig
 from accel.data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
-from accel.data.folder import ImageFolderDataset, class_names, eval_transform, train_transform
+from accel.data.folder import (
+    DecodeCrop,
+    ImageFolderDataset,
+    class_names,
+    eval_transform,
+    train_transform,
+)
 from accel.data.lifetime import PARENT, worker_init
 from accel.data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from accel.data.synthetic import SyntheticImages
@@ -51,7 +57,7 @@ class KeyedDataset(Dataset):
         self.erasing = erasing
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(cast(Sized, self.dataset))  # the datasets given here have a length
 
     def __getitem__(self, key: SampleKey) -> tuple:
         seed = key_seed(self.seed, key.epoch, key.index, key.repeat)
@@ -68,13 +74,13 @@ class KeyedDataset(Dataset):
     def size(self, image: Any) -> tuple[int, int]:
         """(height, width) of a sample: a tensor, or an encoded JPEG's crop."""
         if isinstance(image, torch.Tensor):
-            return tuple(image.shape[-2:])
-        return (self.dataset.transform.size,) * 2
+            return cast(tuple[int, int], tuple(image.shape[-2:]))
+        return (cast(ImageFolderDataset, self.dataset).transform.size,) * 2
 
 
 def build_dataset(
     cfg: DataConfig, split: str, image_size: int, seed: int, num_classes: int
-) -> Dataset:
+) -> SyntheticImages | ImageFolderDataset:
     if cfg.is_synthetic:
         length = cfg.synthetic_length if split == "train" else max(1, cfg.synthetic_length // 4)
         return SyntheticImages(
@@ -84,6 +90,7 @@ def build_dataset(
             seed=seed,  # the class colours: the same in both splits
             noise_seed=seed + (0 if split == "train" else 1),  # the images: different
         )
+    transform: DecodeCrop
     if split == "train":
         transform = train_transform(image_size, cfg, draft=cfg.jpeg_draft)
     else:
@@ -162,7 +169,8 @@ def build_train_loader(
     if cfg.decode_on == "workers" or cfg.is_synthetic:
         keyed = KeyedDataset(dataset, seed, erasing)
         return _loader(keyed, sampler, collate, cfg.workers, cfg.persistent_workers, pin_memory)
-    return _device_decoded(dataset, sampler, collate, cfg, image_size, seed)
+    folder = cast(ImageFolderDataset, dataset)  # synthetic data took the branch above
+    return _device_decoded(folder, sampler, collate, cfg, image_size, seed)
 
 
 def _device_decoded(

@@ -70,7 +70,9 @@ def prepare_digits(
             folder.mkdir(parents=True, exist_ok=True)
             for i in part:
                 pixels = (digits.images[i] * (255 / 16)).round().astype(np.uint8)
-                image = Image.fromarray(pixels, mode="L").resize((size, size), Image.BICUBIC)
+                image = Image.fromarray(pixels, mode="L").resize(
+                    (size, size), Image.Resampling.BICUBIC
+                )
                 image.convert("RGB").save(folder / f"{i:04d}.JPEG", quality=95)
     return root
 

@@ -8,11 +8,11 @@ of workers, after a resume, or with persistent workers that never see `set_epoch
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import NamedTuple
+from typing import NamedTuple, cast
 
 import numpy as np
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler
 
 
 def key_seed(*parts: int) -> int:
@@ -21,7 +21,7 @@ def key_seed(*parts: int) -> int:
 
 
 class SampleKey(NamedTuple):
-    index: int
+    index: int  # type: ignore[assignment]  # the field shadows tuple.index
     epoch: int
     batch: int
     valid: bool = True
@@ -47,8 +47,8 @@ class ShardedBatchSampler:
                 f"({batch_size} x {world_size} ranks)"
             )
         # DistributedSampler only needs len(); it gives the per-epoch permutation and the shard.
-        self.sampler = DistributedSampler(
-            range(length),
+        self.sampler: DistributedSampler[int] = DistributedSampler(
+            cast(Dataset[int], range(length)),
             num_replicas=world_size,
             rank=rank,
             shuffle=shuffle,

@@ -59,6 +59,12 @@ class ModelConfig:
 class ImageClassifier(nn.Module):
     """Wraps a timm model: uint8 [0, 255] NCHW in, logits out."""
 
+    # The timm model: its own attributes (pretrained_cfg, blocks, get_classifier, ...) are not
+    # nn.Module's, whose typing would give each as a tensor or a submodule.
+    model: Any
+    mean: torch.Tensor  # buffers, registered in __init__
+    inv_scale: torch.Tensor
+
     def __init__(self, model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
         self.model = model
@@ -123,9 +129,9 @@ def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
     if seed is not None:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = create_model(cfg)
-        load_pretrained(model.model, cfg.name, cfg.pretrained, cfg.pretrained_path)
-        return model
+            wrapped = create_model(cfg)
+        load_pretrained(wrapped.model, cfg.name, cfg.pretrained, cfg.pretrained_path)
+        return wrapped
     check_model_name(cfg.name)
     kwargs = _pool_kwargs(cfg.name, cfg.pool)
     if cfg.num_classes is not None:
@@ -138,7 +144,8 @@ def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
     timm.layers.set_fused_attn(True, experimental=True)
     if cfg.img_size is not None:
         kwargs["img_size"] = cfg.img_size
-    model = timm.create_model(cfg.name, pretrained=False, **kwargs)
+    # Any: its pretrained_cfg (and the like) are timm's attributes, not nn.Module's.
+    model: Any = timm.create_model(cfg.name, pretrained=False, **kwargs)
     if cfg.img_size is not None:  # the size the data pipeline reads off the model
         model.pretrained_cfg = {
             **model.pretrained_cfg,

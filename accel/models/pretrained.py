@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import cast
 
 import timm
 import torch
@@ -30,7 +31,8 @@ def timm_cache_file(name: str) -> Path:
     import huggingface_hub
 
     pcfg = timm.models.get_pretrained_cfg(name)
-    hub, url = (pcfg.hf_hub_id, pcfg.url) if pcfg else (None, None)
+    # timm's type also allows a (url, filename) pair, which none of its model configs uses.
+    hub, url = (pcfg.hf_hub_id, cast("str | None", pcfg.url)) if pcfg else (None, None)
     if hub:
         for filename in ("model.safetensors", "pytorch_model.bin"):
             found = huggingface_hub.try_to_load_from_cache(hub.split("@")[0], filename)
@@ -90,7 +92,7 @@ def _filtered(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, tor
 
 
 def _head_keys(model: nn.Module) -> set[str]:
-    heads = model.pretrained_cfg.get("classifier") or ()
+    heads = cast(dict, model.pretrained_cfg).get("classifier") or ()  # timm's, on its models
     heads = (heads,) if isinstance(heads, str) else heads
     return {f"{h}.{leaf}" for h in heads for leaf in ("weight", "bias")}
 
@@ -122,7 +124,7 @@ def fit(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> tuple[
         if items
     ]
     if problems:
-        name = model.pretrained_cfg.get("architecture")
+        name = cast(dict, model.pretrained_cfg).get("architecture")
         raise PretrainedError(f"{source} does not fit {name}: {'; '.join(problems)}")
     return state, note
 

@@ -4,6 +4,7 @@ transformer block, then the root."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -46,7 +47,7 @@ def apply_fsdp(module: nn.Module, mode: str, amp: AmpPolicy, device_type: str) -
     # process where torch_xla has registered itself without one.
     mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     blocks = transformer_blocks(module.model if isinstance(module, ImageClassifier) else module)
-    kwargs = {
+    kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": mixed_precision(amp),
         "reshard_after_forward": mode == "full",

@@ -11,6 +11,7 @@ layers), so a part cannot be initialised alone to the same values.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -99,8 +100,12 @@ def fill_from_rank0(
             for peer, region in enumerate(regions):
                 if region is None or (rank not in (0, peer)):
                     continue
-                if rank == 0:
-                    piece = full[region].to(device=device, dtype=meta.dtype).contiguous()
+                if rank == 0:  # rank 0 built the whole model: `full` is its tensor
+                    piece = (
+                        cast(torch.Tensor, full)[region]
+                        .to(device=device, dtype=meta.dtype)
+                        .contiguous()
+                    )
                     if peer == 0:
                         local_region(parts[name])[0].copy_(piece)
                     else:

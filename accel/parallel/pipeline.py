@@ -60,6 +60,9 @@ class ViTStage(nn.Module):
     """One stage's parts of an ImageClassifier (made on the meta device), under the whole
     model's names."""
 
+    mean: torch.Tensor  # buffers of the first stage, registered in __init__
+    inv_scale: torch.Tensor
+
     def __init__(self, full: ImageClassifier, blocks: range, first: bool, last: bool):
         super().__init__()
         vit = copy.deepcopy(full.model)  # on the meta device: nothing allocated
@@ -120,8 +123,8 @@ def _skip_warmup_on_gloo(self) -> list[dist.P2POp]:
 
 
 # Later torch releases dropped that warm-up exchange (and the method): nothing to override there.
-if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):
-    GlooSafeStage._get_init_p2p_neighbors_ops = _skip_warmup_on_gloo
+if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):  # hence set here, not in the class
+    GlooSafeStage._get_init_p2p_neighbors_ops = _skip_warmup_on_gloo  # type: ignore[method-assign]
 
 
 def schedule_stages(

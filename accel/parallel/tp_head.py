@@ -11,6 +11,8 @@ targets only (mixup and label smoothing need soft ones).
 
 from __future__ import annotations
 
+from typing import Any, cast
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -86,7 +88,7 @@ class ShardedClassifier(nn.Module):
 def apply_tp_head(model: nn.Module, layout: MeshLayout) -> ShardedClassifier:
     """Replace the timm model's classifier (get_classifier(): ViT's head, Swin's head.fc) by
     this rank's shard of it (on the meta device, before the rank's part is allocated)."""
-    full = model.get_classifier()
+    full = cast(Any, model).get_classifier()  # timm's method, which nn.Module does not declare
     if not isinstance(full, nn.Linear):
         raise ValueError(
             f"--tp_head splits a linear classifier; this model has {type(full).__name__}"

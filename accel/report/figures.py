@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import statistics
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import matplotlib
 
@@ -325,7 +325,8 @@ def _state_bars(ax, runs: list[Run], rows: list[dict], config: tuple) -> None:
     legend lists only the parts some bar has."""
     drawn: list[str] = []
     for x, row in enumerate(rows):
-        state = _first_run(runs, config, row["backend"]).summary.backend_stats.state_bytes or {}
+        run = cast(Run, _first_run(runs, config, row["backend"]))  # each row is some run's
+        state = run.summary.backend_stats.state_bytes or {}
         bottom = 0.0
         for part in STATE_PARTS:
             if not state.get(part):

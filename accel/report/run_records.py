@@ -50,7 +50,7 @@ class Run:
 
 
 def read_steps(path: Path, problems: list[str]) -> list[dict]:
-    steps = []
+    steps: list[dict] = []
     if not path.is_file():
         return steps
     for number, line in enumerate(path.read_text().splitlines(), start=1):
@@ -168,7 +168,7 @@ def fmt(value: Any) -> str:
 
 def repeats(runs: list[Run]) -> str:
     """How many runs each (job, backend) has: '2', or '1-3' where they differ."""
-    counts = {}
+    counts: dict[tuple[tuple, str], int] = {}
     for r in runs:
         counts[(r.config, r.backend)] = counts.get((r.config, r.backend), 0) + 1
     low, high = min(counts.values()), max(counts.values())

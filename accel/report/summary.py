@@ -6,6 +6,7 @@ included (a field a file lacks keeps its default)."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ class RunSummary:
     steps: int = 0
     seed: int = 0
     kernel_opt: bool = False
-    losses: list[float | None] = field(default_factory=list)  # per step; None: not finite
+    losses: Sequence[float | None] = field(default_factory=list)  # per step; None: not finite
     nonfinite_steps: list[int] = field(default_factory=list)
     images_per_sec: float | None = None  # steady state, after warm_step
     warm_step: int = 0
