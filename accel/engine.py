@@ -23,8 +23,11 @@ line's Trainer drives the same backends through the same calls.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import time
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -42,8 +45,10 @@ from accel.backends.base import (
     LossFn,
     MetricFn,
     ModelInit,
+    RecompileError,
     StepResult,
 )
+from accel.backends.host_reads import user_frame
 from accel.checkpoint import (
     BackendTensors,
     CheckpointParts,
@@ -66,6 +71,7 @@ from accel.config import (
 )
 from accel.distributed import DistContext, init_process_group
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
+from accel.parallel.fsdp import full_value
 
 AccelError = ConfigError  # every refusal: one line, raised before any weight changes
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
@@ -162,6 +168,11 @@ def prepare(
     except BackendUnavailable as err:
         raise AccelError(str(err)) from None
     cfg = settled(cfg, name, ema)
+    if not any(p.requires_grad for p in model.parameters()):
+        raise AccelError(
+            f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
+            "one): there is nothing to train"
+        )
     spec = OptimizerSpec.of(optimizer, model)
     refused = spec.refusals()
     if refused:
@@ -170,13 +181,16 @@ def prepare(
     if problems:
         raise AccelError(problems[0])
     ctx = module.context(cfg)
-    init_process_group(ctx)
+    if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
+        init_process_group(ctx)
     runner = module.build(cfg, ctx)
     runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
         print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
     decay = ema if callable(ema) else (ema or 0.0) if cfg.step.ema else 0.0
-    return Engine(runner, ctx, LearningRates(spec, schedule), cfg.step.accum, decay, state)
+    engine = Engine(runner, ctx, LearningRates(spec, schedule), cfg.step.accum, decay, state)
+    engine.model_given = model
+    return engine
 
 
 KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", None, "none", 0)  # prepare's own
@@ -248,6 +262,9 @@ class Engine:
         self.accum, self.ema = accum, ema
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
+        self.model_given: nn.Module | None = None  # the model prepare was handed
+        self.shapes: tuple | None = None  # the batch shapes the step last compiled for
+        self.skips = SkipWatch()
 
     @property
     def steps_done(self) -> int:
@@ -310,6 +327,7 @@ class Engine:
         `accum` micro-batches here; `step(micro_batches=[...])` takes them already split."""
         if len(batch) == 1 and isinstance(batch[0], tuple | list):
             batch = tuple(batch[0])
+        check_batch(batch)
         try:
             return self.step_micro_batches(self.micro_batches(batch))
         except BackendUnavailable as err:  # an op the backend cannot lower: one line
@@ -322,7 +340,19 @@ class Engine:
         done = self.state.step
         self.lr = self.rates(done)
         decay = self.ema(done + 1) if callable(self.ema) else self.ema
-        handle = self.runner.train_step(micro_batches, self.lr, decay)
+        shapes = tuple(tuple(getattr(t, "shape", ())) for t in micro_batches[0])
+        started = time.perf_counter()
+        with user_errors("step"):
+            handle = self.runner.train_step(micro_batches, self.lr, decay)
+        if shapes != self.shapes:
+            if self.shapes is not None and self.runner.compiles_per_shape and self.is_main:
+                seconds = time.perf_counter() - started
+                say(
+                    f"the {self.backend} step compiled again ({seconds:.1f} s) for batch shapes "
+                    f"{shape_text(shapes)}, after {shape_text(self.shapes)}: keep them fixed (a "
+                    "DataLoader's drop_last=True)"
+                )
+            self.shapes = shapes
         self.state.step = done + 1
         return handle
 
@@ -337,7 +367,9 @@ class Engine:
         """The steps' (loss, applied) on the host: one sync for the whole group. `loss` is the
         mean over replicas; `applied` is False where a non-finite loss or gradient skipped the
         update."""
-        return self.runner.fetch_results(list(handles))
+        results = self.runner.fetch_results(list(handles))
+        self.skips.watch(results, self.is_main)
+        return results
 
     def evaluate(
         self, batches: Iterable[Sequence[torch.Tensor]], metric_fn: MetricFn, ema: bool = False
@@ -346,7 +378,48 @@ class Engine:
         on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
         of them)."""
         check_sharded(batches, self.data_ranks)
-        return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
+        with user_errors("evaluation"):
+            return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
+
+    # --- what was trained -----------------------------------------------------------------------
+    def state_dict(self, ema: bool = False) -> dict[str, torch.Tensor]:
+        """The trained weights (with `ema`, their moving average) and the model's buffers, on
+        the host, under your model's own names and dtypes: `model.load_state_dict(
+        engine.state_dict())` gives a model that evaluates as `evaluate` does, whatever the
+        backend. Call it on every rank: split weights (shard="full") are gathered tensor by
+        tensor. A pipeline keeps stages on different ranks: save a checkpoint and export it
+        (`accel-export`) instead."""
+        state = self.runner.checkpoint_state()
+        if ema and "ema" not in state:
+            raise AccelError("no EMA weights kept: prepare(..., ema=DECAY)")
+        tensors = {**state["model"], **(state["ema"] if ema else {})}
+        dtypes = self.dtypes()
+        out = {}
+        for name, value in tensors.items():
+            whole = full_value(value).detach()
+            out[name] = whole.to("cpu", dtype=dtypes.get(name, whole.dtype), copy=True)
+        missing = set(dtypes) - set(out)
+        if missing:
+            raise AccelError(
+                f"this layout keeps {len(missing)} of the model's tensors on other ranks (a "
+                "pipeline): engine.save(path), then accel-export gives the whole state"
+            )
+        return out
+
+    def dtypes(self) -> dict[str, torch.dtype]:
+        model = self.model_given
+        return {} if model is None else {n: t.dtype for n, t in model.state_dict().items()}
+
+    def sync_model(self) -> nn.Module:
+        """Your model, holding the trained weights; returns it. On eager, compile and xla it is
+        the module trained (moved to the device), so this changes nothing; jax trains arrays of
+        its own and copies them in here. Call it on every rank."""
+        model = self.model_given
+        if model is None:
+            raise AccelError("this engine was given no model to sync")
+        if not self.runner.trains_in_place:
+            model.load_state_dict(self.state_dict())
+        return model
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank; every rank gets the same answer (a collective:
@@ -433,6 +506,78 @@ def check_sharded(batches: Iterable, ranks: int) -> None:
             f"{ranks} processes read the same DataLoader: give it "
             "sampler=DistributedSampler(dataset) so each rank trains on its own part"
         )
+
+
+def check_batch(batch: tuple) -> None:
+    """A step's batch is a tuple of tensors (or arrays) sharing their first, batch, axis."""
+    if not batch:
+        raise AccelError(
+            "engine.step() got no batch: give its tensors, engine.step(images, labels)"
+        )
+    for value in batch:
+        if isinstance(value, dict):
+            raise AccelError(
+                "a batch is tensors, not a dict: engine.step(batch['image'], batch['label']) "
+                "(loss_fn gets them as its batch tuple)"
+            )
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) == 0:
+            kind = type(value).__name__ if shape is None else "a 0-dim tensor"
+            raise AccelError(f"a batch's tensors split along their first axis, got {kind}")
+
+
+def shape_text(shapes: tuple) -> str:
+    return " ".join(str(list(shape)) for shape in shapes)
+
+
+def say(line: str) -> None:
+    """A notice of one line on stderr."""
+    print(f"accel: {line}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def user_errors(where: str) -> Iterator[None]:
+    """What the backend raises while tracing, compiling or running the user's own code becomes
+    one AccelError naming the user's file and line (and the op, where the error names one);
+    errors inside accel's or the libraries' own code keep their traceback."""
+    try:
+        yield
+    except (ConfigError, BackendUnavailable, RecompileError):
+        raise  # already one line (or the launcher's own exit)
+    except Exception as err:
+        frame = user_frame(traceback.extract_tb(err.__traceback__))
+        if frame is None:
+            raise
+        detail = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        raise AccelError(
+            f"{type(err).__name__} in the {where} at {frame.filename}:{frame.lineno} "
+            f"({(frame.line or '').strip()}): {detail[:300]}"
+        ) from None
+
+
+class SkipWatch:
+    """Steps whose update was skipped (a non-finite loss or gradient): none applied of the first
+    LIMIT is an error; LIMIT in a row later is said once."""
+
+    LIMIT = 10
+
+    def __init__(self) -> None:
+        self.seen = self.in_row = 0
+        self.applied = self.said = False
+
+    def watch(self, results: Sequence[StepResult], main: bool) -> None:
+        for result in results:
+            self.seen += 1
+            self.applied |= result.applied
+            self.in_row = 0 if result.applied else self.in_row + 1
+        if not self.applied and self.seen >= self.LIMIT:
+            raise AccelError(
+                f"none of the first {self.seen} steps applied its update: the loss or the "
+                "gradients were not finite in every one (check the loss and the learning rate)"
+            )
+        if self.in_row >= self.LIMIT and not self.said and main:
+            self.said = True
+            say(f"the last {self.in_row} steps skipped their update (non-finite loss or gradients)")
 
 
 __all__ = ["AccelError", "Engine", "StepResult", "choose_backend", "prepare"]

@@ -75,11 +75,18 @@ class OptimizerSpec:
         optimizer_class: type[torch.optim.Optimizer] | None = None,
         **implementation: Any,
     ) -> torch.optim.Optimizer:
-        """The same optimizer over `tensor_of[name]` (the model's parameters, or fp32 masters),
-        with implementation flags (fused, capturable) chosen by the backend; `optimizer_class`:
+        """The same optimizer over `tensor_of[name]` (the model's parameters, or fp32 masters,
+        all of them or the part this rank keeps), with implementation flags (fused, capturable)
+        chosen by the backend; `optimizer_class`:
         a backend's own implementation of the same update (torch_xla's syncfree AdamW)."""
+        # A rank that keeps part of the model (a pipeline stage) updates the tensors it holds;
+        # its groups stay in order, empty where it holds none of one, so rates match by index.
         groups = [
-            {"params": [tensor_of[n] for n in g.names], **g.hyper, "lr_scale": g.lr_scale}
+            {
+                "params": [tensor_of[n] for n in g.names if n in tensor_of],
+                **g.hyper,
+                "lr_scale": g.lr_scale,
+            }
             for g in self.groups
         ]
         kind = optimizer_class or getattr(torch.optim, self.kind)

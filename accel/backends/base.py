@@ -10,13 +10,13 @@ cannot run here), context() (this process's place among the replicas) and build(
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
-from accel.config import AMP_LEVELS, BackendConfig
+from accel.config import AMP_LEVELS, BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 
@@ -31,15 +31,60 @@ ModelInit = Callable[[], torch.nn.Module]
 MetricFn = Callable[[Callable[..., torch.Tensor], Batch], dict[str, torch.Tensor]]
 
 
-class StepResult(NamedTuple):
-    loss: float  # mean over ranks
+class _LossApplied(NamedTuple):
+    loss: float  # mean over replicas
     applied: bool  # False: the loss or the gradients were not finite and the update was skipped
 
+
+class StepResult(_LossApplied):
+    """A step's host values: `loss` (the mean over replicas), `applied` (False where a
+    non-finite loss or gradient skipped the update) and `extras`, what the loss function
+    returned beside the loss ({name: float}, each the mean over micro-batches and replicas).
+    Unpacks as (loss, applied).
+
+    >>> result = StepResult(0.5, True, {"acc1": 0.25})
+    >>> loss, applied = result
+    >>> result.extras["acc1"]
+    0.25
+    """
+
+    extras: dict[str, float]
+
+    def __new__(cls, loss: float, applied: bool, extras: dict[str, float] | None = None):
+        result = super().__new__(cls, loss, applied)
+        result.extras = dict(extras or {})
+        return result
+
     @classmethod
-    def from_rows(cls, rows: Iterable[Any]) -> list[StepResult]:
-        """Step handles' host values, [loss, applied as 1.0 or 0.0] each, as StepResults (each
-        backend's fetch_results is the transfer to the host, and this)."""
-        return [cls(float(loss), bool(applied > 0)) for loss, applied in rows]
+    def from_rows(cls, rows: Iterable[Any], keys: Sequence[str] = ()) -> list[StepResult]:
+        """Step handles' host values, [loss, applied as 1.0 or 0.0, *extras by `keys`] each,
+        as StepResults (each backend's fetch_results is the transfer to the host, and this)."""
+        out = []
+        for row in rows:
+            loss, applied, *extras = (float(v) for v in row)
+            out.append(cls(loss, applied > 0, dict(zip(keys, extras, strict=True))))
+        return out
+
+
+def split_loss(out: Any) -> tuple[Any, dict[str, Any]]:
+    """A loss function's result as (loss, extras): a scalar, or (scalar, {name: scalar}) with
+    the step's extras (training accuracy, say), torch tensors or JAX arrays alike. Anything else
+    is refused in one line."""
+    extras: Any = {}
+    if isinstance(out, tuple | list) and len(out) == 2 and isinstance(out[1], dict):
+        out, extras = out
+    shape = tuple(getattr(out, "shape", (None,)))
+    if shape != ():
+        raise ConfigError(
+            "loss_fn must return a scalar tensor, or (loss, {name: scalar tensor}); got "
+            + (f"shape {list(shape)}" if shape != (None,) else type(out).__name__)
+        )
+    for name, value in extras.items():
+        if tuple(getattr(value, "shape", ())) != ():
+            raise ConfigError(
+                f"loss_fn's extra '{name}' must be a scalar, got shape {list(value.shape)}"
+            )
+    return out, dict(sorted(extras.items()))
 
 
 class BackendUnavailable(RuntimeError):
@@ -102,6 +147,10 @@ class Backend(Protocol):
     pin_memory: bool  # whether the loader should hand over batches in pinned host memory
     data_parallel: tuple[int, int]  # (rank, ranks) the data is split over
     sharded_checkpoint: bool  # every rank writes its own part (DCP), or one file from rank 0
+    # Whether the model given to `adopt` is the module trained (moved to the device; jax trains
+    # arrays of its own), and whether a batch of a new shape compiles the step again.
+    trains_in_place: bool
+    compiles_per_shape: bool
 
     def adopt(
         self,

@@ -93,10 +93,12 @@ def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Ba
 
 class EagerBackend:
     local_replicas = 1  # devices this process drives
+    trains_in_place = True
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext, compiler: Compiler | None = None):
         self.cfg, self.ctx, self.compiler = cfg, ctx, compiler
         self.name = "compile" if compiler else "eager"
+        self.compiles_per_shape = compiler is not None  # dynamo guards on the input shapes
         self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_device(ctx)
         self.shard = effective_shard(cfg.mesh.shard, ctx.world_size)
@@ -139,16 +141,16 @@ class EagerBackend:
     def train_step(
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
-        """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0]."""
-        loss = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
-        loss = self.layout.mean_loss(loss)
+        """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0, *extras]."""
+        means = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
+        means = self.layout.mean_loss(means)  # [loss, *extras], averaged over the replicas
         clip = self.cfg.step.clip_grad
-        applied = self.core.update(lr, loss, clip, self.layout.grad_norm, ema_decay)
-        return torch.stack([loss, applied.float()])
+        applied = self.core.update(lr, means[0], clip, self.layout.grad_norm, ema_decay)
+        return torch.cat([means[:1], applied.float()[None], means[1:]])
 
     def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
         rows = torch.stack(handles).float().cpu().tolist() if handles else []
-        return StepResult.from_rows(rows)
+        return StepResult.from_rows(rows, self.core.extra_keys)
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False

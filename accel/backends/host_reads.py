@@ -26,7 +26,7 @@ class HostRead(ConfigError):
     """The loss reads a device value on the host: one line naming where, exit 2."""
 
 
-def _user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
+def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary | None:
     """The innermost frame of the user's own code (not torch's, jax's or accel's)."""
     for frame in reversed(frames):
         path = str(Path(frame.filename).resolve())
@@ -37,7 +37,7 @@ def _user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary 
 
 
 def describe(frames: list[traceback.FrameSummary]) -> str:
-    frame = _user_frame(frames)
+    frame = user_frame(frames)
     where = f"{frame.filename}:{frame.lineno}: {frame.line}" if frame else "in the loss function"
     return (
         f"cannot read a tensor's value on the host inside the step ({where}): "

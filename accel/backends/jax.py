@@ -33,6 +33,7 @@ from accel.backends.base import (
     ModelInit,
     StepResult,
     Supports,
+    split_loss,
 )
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.quiet import quiet_imports
@@ -282,6 +283,8 @@ class DevicePrefetcher:
 class JaxBackend:
     name = "jax"
     pin_memory = False  # device_put stages host arrays itself
+    trains_in_place = False  # arrays of its own; the torch module is traced, never run
+    compiles_per_shape = True
     sharded_checkpoint = False  # one process holds every array it trains: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
@@ -402,8 +405,14 @@ class JaxBackend:
             return self.objective(fn)(params, consts, *batch)
 
     # --- the step -----------------------------------------------------------------------------
-    def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> jax.Array:
-        return self.run_torch(self.loss_fn, params, buffers, batch, key).astype(jnp.float32)
+    def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> tuple[jax.Array, jax.Array]:
+        """The loss, and the loss function's extras as one fp32 vector (their names kept, in
+        order, while tracing)."""
+        loss, extras = split_loss(self.run_torch(self.loss_fn, params, buffers, batch, key))
+        self.extra_keys = list(extras)
+        values = [jnp.asarray(v, jnp.float32) for v in extras.values()]
+        vector = jnp.stack(values) if values else jnp.zeros(0, jnp.float32)
+        return loss.astype(jnp.float32), vector
 
     def _jit_step(self):
         step = make_train_step(
@@ -478,7 +487,7 @@ class JaxBackend:
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         rows = [host_value(handle) for handle in handles]
-        return StepResult.from_rows(rows)
+        return StepResult.from_rows(rows, self.extra_keys)
 
     # --- evaluation ---------------------------------------------------------------------------
     def evaluate_sums(

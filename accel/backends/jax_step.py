@@ -177,7 +177,8 @@ def _replace(chain_state: tuple, kind: type, new: Any) -> tuple:
 
 
 # --- the step ---------------------------------------------------------------------------------
-LossFnJax = Callable[[dict, dict, tuple, Any], Any]  # (params, consts, batch, key) -> loss
+# (params, consts, batch, key) -> (loss, extras vector)
+LossFnJax = Callable[[dict, dict, tuple, Any], Any]
 TrainStep = Callable[..., tuple]
 
 
@@ -194,7 +195,10 @@ def make_train_step(
     """The whole optimizer step as one pure function (what torchax's make_train_step builds):
 
         (params, opt_state, ema, count, consts, batch, lrs, ema_decay)
-            -> (params, opt_state, ema, count, [mean loss, 1.0 if applied else 0.0])
+            -> (params, opt_state, ema, count, [mean loss, 1.0 if applied else 0.0, *extras])
+
+    `loss_fn` returns the loss, or (loss, extras): a scalar and a vector of the loss
+    function's extras, averaged over micro-steps and devices as the loss is.
 
     `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `data` axis; each
     device takes its part's gradients, then the explicit mean over the devices (shard_map +
@@ -203,6 +207,12 @@ def make_train_step(
     everything as it was, with no host sync. `count` (updates applied) keys the random draws;
     `grad_shardings`: where the gradients go for a sharded update (--shard)."""
     base_key = jax.random.key(seed)
+
+    def with_extras(*args):  # a loss alone, or (loss, extras vector)
+        out = given(*args)
+        return out if isinstance(out, tuple) else (out, jnp.zeros(0, jnp.float32))
+
+    given, loss_fn = loss_fn, with_extras
     if remat:  # keep the layers' matmul outputs, recompute the rest (attention too)
         policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         loss_fn = jax.checkpoint(loss_fn, policy=policy)
@@ -215,15 +225,17 @@ def make_train_step(
         def micro_step(carry, micro):
             part, index = micro
             key_i = jax.random.fold_in(key, index)
-            loss, grads = jax.value_and_grad(loss_fn)(params, consts, part, key_i)
-            return jax.tree.map(jnp.add, carry, (loss, grads)), None
+            value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+            (loss, extras), grads = value_and_grad(params, consts, part, key_i)
+            return jax.tree.map(jnp.add, carry, (loss, grads)), extras  # extras stacked by scan
 
         zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
         steps = batch[0].shape[0]
-        (loss, grads), _ = jax.lax.scan(micro_step, zeros, (batch, jnp.arange(steps)))
+        (loss, grads), extras = jax.lax.scan(micro_step, zeros, (batch, jnp.arange(steps)))
         loss, grads = jax.tree.map(lambda x: x / steps, (loss, grads))
+        extras = extras.mean(axis=0)
         # The explicit all-reduce: every device ends with the mean gradient of the global batch.
-        return jax.lax.pmean((loss, grads), "data")
+        return jax.lax.pmean((loss, extras, grads), "data")
 
     rep = P()
     grads_fn = jax.shard_map(
@@ -231,11 +243,11 @@ def make_train_step(
         mesh=mesh,
         check_vma=False,
         in_specs=(rep, rep, P(None, "data"), rep),  # every array of the batch split
-        out_specs=(rep, rep),
+        out_specs=(rep, rep, rep),
     )
 
     def step(params, opt_state, ema, count, consts, batch, lrs, ema_decay):
-        loss, grads = grads_fn(params, consts, batch, count)
+        loss, extras, grads = grads_fn(params, consts, batch, count)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grads, norm = torch_clip(grads, clip_grad)
@@ -253,7 +265,8 @@ def make_train_step(
             (params, opt_state, ema),
         )
         count = count + finite.astype(jnp.int32)
-        return params, opt_state, ema, count, jnp.stack([loss, finite.astype(jnp.float32)])
+        head = jnp.stack([loss, finite.astype(jnp.float32)])
+        return params, opt_state, ema, count, jnp.concatenate([head, extras])
 
     return step
 

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accel.amp import AmpPolicy
+from accel.backends.base import split_loss
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
@@ -109,6 +110,7 @@ class TorchCore:
         )
         self.master: dict[nn.Parameter, torch.Tensor] = {}
         self.measured: dict[str, int] = {}  # state_bytes, once the first step made the state
+        self.extra_keys: list[str] = []  # the names of the loss function's extras
 
     def attach(
         self,
@@ -281,19 +283,27 @@ class TorchCore:
 
 def accumulate(
     micro_batches: list[tuple],
-    forward_loss: Callable[..., torch.Tensor],
+    forward_loss: Callable[..., Any],
     core: TorchCore,
     scope: Callable[[bool], Any],
 ) -> torch.Tensor:
     """The backward of each micro-batch's share of the mean loss, inside `scope(last)` (the
-    backend's autocast, and DDP's no_sync before the last); returns this rank's mean loss."""
+    backend's autocast, and DDP's no_sync before the last); returns this rank's means over the
+    micro-batches as one vector, [loss, *extras] (the extras' names go to `core.extra_keys`)."""
     total = torch.zeros((), device=core.device)
+    extras = torch.zeros(0, device=core.device)
     for i, batch in enumerate(micro_batches):
         with scope(i == len(micro_batches) - 1):
-            loss = forward_loss(*batch) / len(micro_batches)
+            loss, named = split_loss(forward_loss(*batch))
+            loss = loss / len(micro_batches)
         core.backward(loss)
         total += loss.detach()
-    return total
+        core.extra_keys = list(named)
+        if named:
+            values = [torch.as_tensor(v, device=core.device).detach() for v in named.values()]
+            part = torch.stack(values).float() / len(micro_batches)
+            extras = part if i == 0 else extras + part
+    return torch.cat([total[None], extras])
 
 
 @torch.no_grad()

@@ -328,7 +328,7 @@ class Pipeline(SplitLayout):
             if losses:
                 total += torch.stack(losses).sum().detach()
         self.reduce_gradients(core)
-        return total
+        return total[None]  # no extras: the pipeline's loss is the classifier's
 
     def reduce_gradients(self, core: TorchCore) -> None:
         """Average each stage's gradients over its dp group (the replicas of that stage)."""

@@ -200,6 +200,8 @@ def syncfree_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.
 class XlaBackend:
     name = "xla"
     pin_memory = False  # MpDeviceLoader stages host batches itself
+    trains_in_place = True  # the model's own parameters, moved to the XLA device
+    compiles_per_shape = True
     sharded_checkpoint = False  # one process holds every array: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
@@ -309,15 +311,16 @@ class XlaBackend:
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
         """One graph: forward and backward of every micro-batch, the explicit gradient
-        all-reduce, clipping, the guarded update and the EMA's; returns [mean loss, applied]."""
+        all-reduce, clipping, the guarded update and the EMA's; returns [mean loss, applied,
+        *extras]."""
         micro_batches = [tuple(t.to(self.device) for t in batch) for batch in micro_batches]
-        total = accumulate(micro_batches, self.forward_loss, self.core, self.scope)
+        means = accumulate(micro_batches, self.forward_loss, self.core, self.scope)
         self.reduce_gradients()
-        loss = self.all_reduce(total, mean=True)
+        means = self.all_reduce(means, mean=True)  # [loss, *extras] over the replicas
         clip = self.cfg.step.clip_grad
-        applied = self.core.update(lr, loss, clip, self.grad_norm, ema_decay)
+        applied = self.core.update(lr, means[0], clip, self.grad_norm, ema_decay)
         self.step_done()
-        return torch.stack([loss, applied.float()])
+        return torch.cat([means[:1], applied.float()[None], means[1:]])
 
     def forward_loss(self, *batch: torch.Tensor) -> torch.Tensor:
         return self.loss_fn(self.forward, batch)
@@ -358,7 +361,7 @@ class XlaBackend:
         # Each handle is already materialised by its step's sync: a transfer, no new graph
         # (stacking them first would compile one per group size).
         rows = [handle.cpu().tolist() for handle in handles]
-        return StepResult.from_rows(rows)
+        return StepResult.from_rows(rows, self.core.extra_keys)
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False

@@ -264,7 +264,7 @@ def one_line_warnings() -> None:
 
     if getattr(warnings.showwarning, "one_line", False):  # main() may run more than once
         return
-    ours = str(Path(__file__).resolve().parent)
+    ours = str(Path(__file__).resolve().parents[1])  # the accel package
     usual = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:

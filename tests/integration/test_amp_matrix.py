@@ -81,14 +81,13 @@ def _linear_output_dtypes(module: torch.nn.Module) -> dict:
     return seen
 
 
-def _lowered_step(backend) -> str:
+def _lowered_step(backend, batch: int) -> str:
     """The jax step as StableHLO text, for the shapes the case trained on."""
     import jax
     import jax.numpy as jnp
 
     from accel.backends.jax import attention_override
 
-    batch = backend.cfg.batch_size
     images = jax.ShapeDtypeStruct((1, batch, 3, 32, 32), jnp.uint8)
     targets = jax.ShapeDtypeStruct((1, batch, 10), jnp.float32)
     args = backend.step_arguments((images, targets), 0.0, 0.0)
@@ -151,7 +150,7 @@ def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: boo
         import jax
 
         weights = {SHORT[str(a.dtype)] for a in jax.tree.leaves(b.params)}
-        text = _lowered_step(b)
+        text = _lowered_step(b, cfg.batch_size)
         ema = jax.tree.leaves(b.ema)
         return {
             **common,

@@ -8,11 +8,11 @@ import torch
 from accel.backends.base import BackendUnavailable
 from accel.backends.jax import torchax  # imported through the compatibility shim
 from accel.checkpoint import latest_checkpoint, to_cpu
-from accel.cli.evaluation import evaluate_classifier
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.data.loaders import build_eval_loader
 from accel.distributed import DistContext
+from accel.losses import classifier_metrics, summarise
 from tests.helpers import (
     TWO_HOST_DEVICES,
     job_backend,
@@ -70,7 +70,8 @@ def test_two_forced_host_devices_train_with_mixup_without_recompiles(tmp_path, m
 
 def _eval_loss(backend, cfg) -> float:
     loader = build_eval_loader(cfg.data, 32, cfg.batch_size, (0, 1), cfg.seed, 10)
-    return evaluate_classifier(backend, loader)["eval_loss"]
+    batches = ((b["images"], b["labels"], b["mask"]) for b in loader)
+    return summarise(backend.evaluate_sums(batches, classifier_metrics))["eval_loss"]
 
 
 def test_checkpoints_cross_between_jax_and_eager(tmp_path):
