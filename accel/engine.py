@@ -24,10 +24,12 @@ line's Trainer drives the same backends through the same calls.
 from __future__ import annotations
 
 import contextlib
+import multiprocessing
 import os
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -133,7 +135,9 @@ def prepare(
     loss_fn: (model, batch) -> scalar tensor; `batch` is the tuple given to `step`. Call the
         model inside: every backend traces it. Read no value on the host (no `.item()`).
     schedule: the base learning rate as a function of the optimizer step (each group keeps its
-        ratio to the first group's rate), or a torch LRScheduler bound to `optimizer`.
+        ratio to the first group's rate), or a torch LRScheduler bound to `optimizer` that accel
+        steps. Without it each step takes `optimizer`'s groups' rates as they are then: step
+        your own scheduler (per step or per epoch) as you always have.
     clip_grad: the gradients' global norm limit, after the mean over replicas (0: none).
     accum: micro-batches each `step` batch is split into (same result, less memory).
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
@@ -184,11 +188,20 @@ def prepare(
     if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
         init_process_group(ctx)
     runner = module.build(cfg, ctx)
+    if runner.threaded and multiprocessing.get_start_method(allow_none=True) is None:
+        # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and
+        # Python warns of it: the script's DataLoaders start theirs from a fork server (Python
+        # 3.14's default on Linux), unless the script chose a start method itself.
+        multiprocessing.set_start_method("forkserver")
     runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
         print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
     decay = ema if callable(ema) else (ema or 0.0) if cfg.step.ema else 0.0
-    engine = Engine(runner, ctx, LearningRates(spec, schedule), cfg.step.accum, decay, state)
+    # The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
+    # does, so torch's warning that the scheduler stepped first would be wrong every time.
+    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+    rates = LearningRates(spec, schedule, optimizer)
+    engine = Engine(runner, ctx, rates, cfg.step.accum, decay, state)
     engine.model_given = model
     return engine
 
@@ -360,8 +373,7 @@ class Engine:
         size = batch[0].shape[0]
         if size % self.accum:
             raise AccelError(f"a batch of {size} does not split into accum={self.accum} parts")
-        part = size // self.accum
-        return [tuple(t[i * part : (i + 1) * part] for t in batch) for i in range(self.accum)]
+        return self.runner.split(batch, self.accum)
 
     def fetch(self, handles: Sequence[Any]) -> list[StepResult]:
         """The steps' (loss, applied) on the host: one sync for the whole group. `loss` is the
@@ -380,6 +392,13 @@ class Engine:
         check_sharded(batches, self.data_ranks)
         with user_errors("evaluation"):
             return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
+
+    @property
+    def model(self) -> EvalModel:
+        """The trained model for your own evaluation loop: `engine.model(images)` runs it in
+        eval mode without gradients on the backend and returns torch tensors on the inputs'
+        device (the host for jax's), whatever the backend."""
+        return EvalModel(self)
 
     # --- what was trained -----------------------------------------------------------------------
     def state_dict(self, ema: bool = False) -> dict[str, torch.Tensor]:
@@ -447,28 +466,40 @@ class Engine:
         the step count alone) and the random states."""
         return CheckpointParts(BackendTensors(self.runner), self.state, RandomStates(self.runner))
 
-    def save(self, path: str | Path, meta: dict[str, Any] | None = None) -> Path:
+    def save(
+        self,
+        path: str | Path,
+        extra: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+    ) -> Path:
         """Weights, optimizer state (by parameter name), EMA, the loop state and random states,
         in the command line's format: it loads on any backend and layout, and `launch_single_task
-        --resume` takes it. Call it on every rank. One file written by rank 0, atomically; where
-        `sharded_checkpoint`, a folder (torch.distributed.checkpoint) each rank writes its shards
-        to, so no rank ever holds the whole state. `meta`: small values (strings, numbers) kept
-        beside them, read back by accel.checkpoint.read_meta."""
+        --resume` takes it. Call it on every rank; it returns once the checkpoint is whole on
+        disk. One file written by rank 0, atomically; where `sharded_checkpoint`, a folder
+        (torch.distributed.checkpoint) each rank writes its shards to, so no rank ever holds the
+        whole state. `extra`: your script's own small state (epoch, best accuracy, a scheduler's
+        state_dict(): numbers, strings, lists, dicts, tensors), which `load` returns. `meta`:
+        values kept beside them, read back by accel.checkpoint.read_meta."""
         path = Path(path)
         meta = {**(meta or {}), "world_size": self.replicas}
+        if extra is not None:
+            meta["extra"] = extra
         sharded = self.sharded_checkpoint
         save_checkpoint(path, self.checkpoint_parts(), meta, self.is_main, self.rank, sharded)
+        self.runner.any_rank(False)  # every rank waits for the writer: a load may follow at once
         return path
 
-    def load(self, path: str | Path, rng: bool | None = None) -> None:
+    def load(self, path: str | Path, rng: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint written by `save` or by the command line (any backend, any layout),
-        without unpickling anything but tensors. `rng`: restore the random generators too
-        (default: where the saved run had as many replicas, so their streams carry on)."""
+        without unpickling anything but tensors; returns the `extra` it was saved with ({}
+        where none). `rng`: restore the random generators too (default: where the saved run
+        had as many replicas, so their streams carry on)."""
         path = Path(path)
         meta = read_meta(path)
         if rng is None:
             rng = meta.get("world_size") == self.replicas
         load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=rng)
+        return dict(meta.get("extra", {}))
 
 
 class LoopPart(Protocol):
@@ -506,6 +537,44 @@ def check_sharded(batches: Iterable, ranks: int) -> None:
             f"{ranks} processes read the same DataLoader: give it "
             "sampler=DistributedSampler(dataset) so each rank trains on its own part"
         )
+
+
+class EvalModel:
+    """`engine.model`: the model a script evaluates, as a module it can call. `eval()` and
+    `train()` are accepted and change nothing (the model trains only through engine.step), and
+    `state_dict()` is the trained weights (engine.state_dict)."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+
+    def __call__(self, *inputs: Any) -> Any:
+        first = inputs[0] if inputs else None
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        if device.type not in ("cpu", "cuda", "xla"):
+            device = torch.device("cpu")  # jax's views: their values come back to the host
+        with user_errors("forward"):
+            out = self.engine.runner.forward(inputs)
+        return on_device(out, device)
+
+    def eval(self) -> EvalModel:
+        return self
+
+    def train(self, mode: bool = True) -> EvalModel:
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.engine.state_dict()
+
+
+def on_device(out: Any, device: torch.device) -> Any:
+    """A model's output (a tensor, or tuples, lists and dicts of them) on `device`."""
+    if isinstance(out, torch.Tensor):
+        return out.to(device)
+    if isinstance(out, tuple | list):
+        return type(out)(on_device(o, device) for o in out)
+    if isinstance(out, dict):
+        return {k: on_device(v, device) for k, v in out.items()}
+    return out
 
 
 def check_batch(batch: tuple) -> None:

@@ -122,15 +122,20 @@ class LearningRates:
         self,
         spec: OptimizerSpec,
         schedule: ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
     ):
-        self.spec, self.schedule = spec, schedule
+        """`optimizer`: the user's, whose groups' rates (as their own scheduler steps them, per
+        step or per epoch) each step takes where no `schedule` is given."""
+        self.spec, self.schedule, self.optimizer = spec, schedule, optimizer
         self.base = [g.hyper["lr"] for g in spec.groups]
         self.scales = [g.lr_scale for g in spec.groups]
         self.stepped = 0
 
     def __call__(self, step: int) -> list[float]:
         s = self.schedule
-        if s is None:
+        if s is None and self.optimizer is not None:
+            rates = [float(g["lr"]) for g in self.optimizer.param_groups]
+        elif s is None:
             rates = self.base
         elif isinstance(s, torch.optim.lr_scheduler.LRScheduler):
             while self.stepped < step:  # the scheduler counts its own steps

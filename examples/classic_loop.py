@@ -1,11 +1,12 @@
-"""An ImageNet-folder training script written the usual way (PyTorch's ImageNet example with a
-timm model): DDP under torchrun, autocast, loss.backward(); optimizer.step(). The same script
-moved onto accel is classic_loop_accel.py: `diff examples/classic_loop.py
+"""PyTorch's ImageNet example with a timm model, written the usual way (classic_loop.py: DDP
+under torchrun, autocast, loss.backward()) and moved onto accel (classic_loop_accel.py: the same
+loop on the backend ACCEL_BACKEND or USE_ACCEL names). `diff examples/classic_loop.py
 examples/classic_loop_accel.py` shows the edits.
 
     python examples/classic_loop.py --steps 20 --out runs/classic
-    torchrun --nproc_per_node 2 examples/classic_loop.py --steps 20 --out runs/classic-ddp
-    python examples/classic_loop.py --data /data/imagenet --full-size \
+    ACCEL_BACKEND=jax python examples/classic_loop_accel.py --steps 20 --out runs/classic-jax
+    torchrun --nproc_per_node 2 examples/classic_loop_accel.py --steps 20 --out runs/classic-ddp
+    USE_ACCEL=1 python examples/classic_loop_accel.py --data /data/imagenet --full-size \
         --model swin_tiny_patch4_window7_224 --img_size 224 --batch_size 128 --epochs 300
 
 Without --data it makes a small folder of JPEGs under --out (a colour per class).
@@ -21,7 +22,6 @@ import torch
 import torch.distributed as dist
 from PIL import Image
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 from torchvision import datasets, transforms
 
@@ -110,8 +110,7 @@ def main() -> None:
     small = {} if args.full_size else {"patch_size": 8, "depth": 2}
     model = timm.create_model(args.model, img_size=args.img_size, num_classes=classes, **small)
     model = model.to(device)
-    if distributed:
-        model = DistributedDataParallel(model)
+    model = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     total = args.steps or args.epochs * len(train)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
@@ -125,15 +124,17 @@ def main() -> None:
         for images, targets in train:
             images, targets = images.to(device), targets.to(device)
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-                loss = criterion(model(images), targets)
+                output = model(images)
+                loss = criterion(output, targets)
+            acc1 = accuracy(output, targets)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             optimizer.step()
             scheduler.step()
-            if distributed:
-                dist.all_reduce(loss, op=dist.ReduceOp.AVG)
             losses.append(loss.item())
+            if rank == 0 and len(losses) % 10 == 0:
+                print(f"step {len(losses)}: loss {losses[-1]:.4f}, train top-1 {acc1.item():.3f}")
             if len(losses) == total:
                 break
         correct, count = evaluate(model, val, device)
@@ -148,6 +149,11 @@ def main() -> None:
         (args.out / "losses.json").write_text(json.dumps(record))
     if distributed:
         dist.destroy_process_group()
+
+
+def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of a batch, as PyTorch's ImageNet example measures it."""
+    return (output.argmax(-1) == targets).float().mean()
 
 
 @torch.no_grad()

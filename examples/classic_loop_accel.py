@@ -1,8 +1,9 @@
-"""classic_loop.py moved onto accel: the model, optimizer and loss go to accel.prepare, which runs
-the whole step (DDP, autocast, clipping, the update) on the backend that ACCEL_BACKEND or
-USE_ACCEL names. `diff examples/classic_loop.py examples/classic_loop_accel.py` shows the edits.
+"""PyTorch's ImageNet example with a timm model, written the usual way (classic_loop.py: DDP
+under torchrun, autocast, loss.backward()) and moved onto accel (classic_loop_accel.py: the same
+loop on the backend ACCEL_BACKEND or USE_ACCEL names). `diff examples/classic_loop.py
+examples/classic_loop_accel.py` shows the edits.
 
-    python examples/classic_loop_accel.py --steps 20 --out runs/classic-accel
+    python examples/classic_loop.py --steps 20 --out runs/classic
     ACCEL_BACKEND=jax python examples/classic_loop_accel.py --steps 20 --out runs/classic-jax
     torchrun --nproc_per_node 2 examples/classic_loop_accel.py --steps 20 --out runs/classic-ddp
     USE_ACCEL=1 python examples/classic_loop_accel.py --data /data/imagenet --full-size \
@@ -95,6 +96,9 @@ def main() -> None:
     if distributed:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     rank = dist.get_rank() if distributed else 0
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
     root = args.data or args.out / "data"
     if args.data is None and rank == 0:
         make_folder(root)
@@ -107,50 +111,63 @@ def main() -> None:
     torch.manual_seed(0)
     small = {} if args.full_size else {"patch_size": 8, "depth": 2}
     model = timm.create_model(args.model, img_size=args.img_size, num_classes=classes, **small)
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
     total = args.steps or args.epochs * len(train)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
 
-    def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
-        images, targets = batch
-        return criterion(model(images), targets)
+    def loss_fn(model: nn.Module, batch: tuple) -> tuple:
+        output = model(batch[0])
+        return criterion(output, batch[1]), {"acc1": accuracy(output, batch[1])}
 
-    amp = "O1" if args.amp else "O0"
-    engine = accel.prepare(model, optimizer, loss_fn, schedule=scheduler, clip_grad=1.0, amp=amp)
-
+    engine = accel.prepare(model, optimizer, loss_fn, clip_grad=1.0, amp="O1" if args.amp else "O0")
+    model = engine.model  # from here on: the model being trained, to evaluate and to save
     losses = []
     for epoch in range(args.epochs):
         if sampler is not None:
             sampler.set_epoch(epoch)
-        pending = []
+        model.train()
         for images, targets in engine.loader(train):
-            pending.append(engine.step(images, targets))  # stays on the device: no sync
-            if len(losses) + len(pending) == total:
+            result = engine.fetch([engine.step(images, targets)])[0]  # the mean over ranks
+            loss, acc1 = result.loss, result.extras["acc1"]
+            scheduler.step()
+            losses.append(loss.item())
+            if rank == 0 and len(losses) % 10 == 0:
+                print(f"step {len(losses)}: loss {losses[-1]:.4f}, train top-1 {acc1.item():.3f}")
+            if len(losses) == total:
                 break
-        losses += [result.loss for result in engine.fetch(pending)]  # mean over ranks
-        correct, count = evaluate(engine, val)
+        correct, count = evaluate(model, val, device)
         if rank == 0:
             print(f"epoch {epoch}: loss {losses[-1]:.4f}, val top-1 {correct / count:.3f}")
         if len(losses) == total:
             break
 
     if rank == 0:
+        torch.save(model.state_dict(), args.out / "checkpoint.pt")
         record = {"backend": engine.backend, "losses": losses}
         (args.out / "losses.json").write_text(json.dumps(record))
-    engine.save(args.out / "checkpoint.pt")  # on every rank; rank 0 writes
     if distributed:
         dist.destroy_process_group()
 
 
-def evaluate(engine: accel.Engine, val: DataLoader) -> tuple[float, float]:
-    def metric_fn(model: nn.Module, batch: tuple) -> dict:
-        images, targets = batch
-        predicted = model(images).argmax(-1)
-        return {"correct": (predicted == targets).sum(), "count": len(targets)}
+def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Top-1 accuracy of a batch, as PyTorch's ImageNet example measures it."""
+    return (output.argmax(-1) == targets).float().mean()
 
-    sums = engine.evaluate(val, metric_fn)  # summed over the batches and the ranks
-    return sums["correct"], sums["count"]
+
+@torch.no_grad()
+def evaluate(model: nn.Module, val: DataLoader, device: torch.device) -> tuple[float, float]:
+    model.eval()
+    sums = torch.zeros(2, device=device)
+    for images, targets in val:
+        images, targets = images.to(device), targets.to(device)
+        predicted = model(images).argmax(-1)
+        sums += torch.stack([(predicted == targets).sum(), targets.new_tensor(len(targets))])
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    correct, count = sums.tolist()
+    return correct, count
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 
+import numpy as np
 import torch
 
 from accel.config import AMP_LEVELS, BackendConfig, ConfigError
@@ -40,7 +41,7 @@ class StepResult(_LossApplied):
     """A step's host values: `loss` (the mean over replicas), `applied` (False where a
     non-finite loss or gradient skipped the update) and `extras`, what the loss function
     returned beside the loss ({name: float}, each the mean over micro-batches and replicas).
-    Unpacks as (loss, applied).
+    Unpacks as (loss, applied); the numbers are numpy float64s, Python floats with `.item()`.
 
     >>> result = StepResult(0.5, True, {"acc1": 0.25})
     >>> loss, applied = result
@@ -51,7 +52,7 @@ class StepResult(_LossApplied):
     extras: dict[str, float]
 
     def __new__(cls, loss: float, applied: bool, extras: dict[str, float] | None = None):
-        result = super().__new__(cls, loss, applied)
+        result = super().__new__(cls, loss, bool(applied))
         result.extras = dict(extras or {})
         return result
 
@@ -61,9 +62,17 @@ class StepResult(_LossApplied):
         as StepResults (each backend's fetch_results is the transfer to the host, and this)."""
         out = []
         for row in rows:
-            loss, applied, *extras = (float(v) for v in row)
-            out.append(cls(loss, applied > 0, dict(zip(keys, extras, strict=True))))
+            # numpy's float64 is a Python float that also has .item(), as the tensor a loop
+            # logged before had: `losses.append(loss.item())` reads either.
+            loss, applied, *extras = (np.float64(v) for v in row)
+            out.append(cls(loss, bool(applied > 0), dict(zip(keys, extras, strict=True))))
         return out
+
+
+def split_batch(batch: tuple, parts: int) -> list[tuple]:
+    """A batch as `parts` micro-batches along its first axis (gradient accumulation)."""
+    size = batch[0].shape[0] // parts
+    return [tuple(t[i * size : (i + 1) * size] for t in batch) for i in range(parts)]
 
 
 def split_loss(out: Any) -> tuple[Any, dict[str, Any]]:
@@ -151,6 +160,7 @@ class Backend(Protocol):
     # arrays of its own), and whether a batch of a new shape compiles the step again.
     trains_in_place: bool
     compiles_per_shape: bool
+    threaded: bool  # its runtime runs threads: a DataLoader's workers must not be forked
 
     def adopt(
         self,
@@ -176,6 +186,13 @@ class Backend(Protocol):
         EMA with `ema_decay` (--model_ema), left undone where the loss or the gradients are not
         finite; returns a handle of the loss and of whether the update was applied, which stays
         on the device until `fetch_results`."""
+
+    def split(self, batch: tuple, parts: int) -> list[Any]:
+        """A batch (from `device_batches`, or host tensors) as `parts` micro-batches."""
+
+    def forward(self, inputs: tuple) -> Any:
+        """The model in eval mode on `inputs`, without gradients (engine.model): torch tensors
+        on the backend's device (jax: on the host)."""
 
     def fetch_results(self, handles: list[Any]) -> list[StepResult]:
         """Host values of step handles, averaged over ranks: one sync for the whole group."""

@@ -21,6 +21,7 @@ from accel.backends.base import (
     ModelInit,
     StepResult,
     Supports,
+    split_batch,
 )
 from accel.backends.torch_core import TorchCore, fused_guard, metric_sums
 from accel.backends.torch_layouts import make_layout
@@ -94,6 +95,7 @@ def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Ba
 class EagerBackend:
     local_replicas = 1  # devices this process drives
     trains_in_place = True
+    threaded = False
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext, compiler: Compiler | None = None):
         self.cfg, self.ctx, self.compiler = cfg, ctx, compiler
@@ -138,6 +140,9 @@ class EagerBackend:
             return cuda_prefetch(batches, self.device)
         return (tuple(t.to(self.device) for t in batch) for batch in batches)
 
+    def split(self, batch: tuple, parts: int) -> list[tuple]:
+        return split_batch(batch, parts)
+
     def train_step(
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
@@ -151,6 +156,16 @@ class EagerBackend:
     def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
         rows = torch.stack(handles).float().cpu().tolist() if handles else []
         return StepResult.from_rows(rows, self.core.extra_keys)
+
+    @torch.no_grad()
+    def forward(self, inputs: tuple) -> Any:
+        module = self.layout.inference()
+        module.eval()
+        try:
+            with self.core.autocast(cache=self.layout.autocast_cache):
+                return module(*(t.to(self.device) for t in inputs))
+        finally:
+            module.train()
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False

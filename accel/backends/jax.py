@@ -33,6 +33,7 @@ from accel.backends.base import (
     ModelInit,
     StepResult,
     Supports,
+    split_batch,
     split_loss,
 )
 from accel.backends.host_reads import HostRead, host_read_line
@@ -285,6 +286,7 @@ class JaxBackend:
     pin_memory = False  # device_put stages host arrays itself
     trains_in_place = False  # arrays of its own; the torch module is traced, never run
     compiles_per_shape = True
+    threaded = True  # JAX's runtime runs threads of its own
     sharded_checkpoint = False  # one process holds every array it trains: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
@@ -358,7 +360,7 @@ class JaxBackend:
         # compile a kernel of its own.
         init = jax.jit(self.optimizer.init, out_shardings=self.opt_shardings)
         self.opt_state = init(self.params)
-        self.objectives: dict[Callable | tuple[str, Callable], Callable] = {}
+        self.objectives: dict[Any, Callable] = {}  # by loss, metric or 'forward'
         self.step_fn = self._jit_step()
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
 
@@ -435,7 +437,18 @@ class JaxBackend:
         return self.param_shardings if self.cfg.step.ema else {}
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
-        return iter(DevicePrefetcher(batches, self._put, self.cfg.compiler.device_prefetch))
+        """The batches on the devices, as torch tensors a script reads as it would any
+        (torchax's view of the arrays: `images.size(0)`, `labels.shape`)."""
+        prefetched = DevicePrefetcher(batches, self._put, self.cfg.compiler.device_prefetch)
+        return (tuple(interop.torch_view(a) for a in arrays) for arrays in prefetched)
+
+    def arrays(self, batch: tuple) -> tuple:
+        """A batch as the devices' arrays: torchax's views unwrapped, host tensors put there."""
+        if all(isinstance(t, torch.Tensor) and t.device.type == "jax" for t in batch):
+            return tuple(interop.jax_view(t) for t in batch)
+        if all(isinstance(t, jax.Array) for t in batch):
+            return batch
+        return self._put(tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in batch))
 
     def _put(self, batch: Batch) -> tuple:
         arrays = tuple(from_torch(t) for t in batch)
@@ -445,11 +458,14 @@ class JaxBackend:
             )
         return tuple(jax.device_put(a, self.batch_sharding) for a in arrays)
 
+    def split(self, batch: tuple, parts: int) -> list[tuple]:
+        return split_batch(self.arrays(batch), parts)
+
     def train_step(
         self, micro_batches: list[tuple], lr: float | list[float], ema_decay: float = 0.0
     ) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
-        micro_batches = [b if isinstance(b[0], jax.Array) else self._put(b) for b in micro_batches]
+        micro_batches = [self.arrays(b) for b in micro_batches]
         batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
         args = self.step_arguments(batch, lr, ema_decay)
         with attention_override(self.env, self.sdpa), self._lowering_errors():
@@ -507,10 +523,20 @@ class JaxBackend:
         totals: dict | None = None
         with attention_override(self.env, self.sdpa), self._lowering_errors():
             for batch in batches:
-                arrays = batch if isinstance(batch[0], jax.Array) else self._put(batch)
-                batch_sums = fn(params, self.buffers, *arrays)
+                batch_sums = fn(params, self.buffers, *self.arrays(batch))
                 totals = batch_sums if totals is None else jax.tree.map(jnp.add, totals, batch_sums)
         return {k: float(host_value(v)) for k, v in sorted((totals or {}).items())}
+
+    def forward(self, inputs: tuple) -> Any:
+        """The model in eval mode on `inputs` (host or device tensors), without gradients; its
+        output as host torch tensors."""
+        fn = self.objectives.get("forward")
+        if fn is None:
+            fn = jax.jit(lambda p, c, *b: self.run_torch(lambda model, x: model(*x), p, c, b))
+            self.objectives["forward"] = fn
+        with attention_override(self.env, self.sdpa), self._lowering_errors():
+            out = fn(self.params, self.buffers, *self.arrays(inputs))
+        return jax.tree.map(to_torch, out)
 
     def eval_params(self, ema: bool) -> dict:
         if ema and not self.ema:

@@ -127,6 +127,10 @@ class Replicas:
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
         return all_reduce(sums, group=self.dp_group)
 
+    def inference(self) -> nn.Module:
+        """The module an eval-mode forward runs (engine.model)."""
+        return self.module
+
     def attached(self, core: TorchCore) -> None:
         """Called once the optimizer exists."""
 
@@ -234,6 +238,9 @@ class SplitHead(SplitLayout):
 
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return tp_head.soft_target_loss(logits, targets, self.head)
+
+    def inference(self) -> nn.Module:
+        raise ConfigError("a split classifier's logits are split over ranks: use evaluate")
 
     def attached(self, core: TorchCore) -> None:
         self.head_ids = {id(core.updated(p)) for p in self.head.parameters()}
@@ -362,6 +369,9 @@ class Pipeline(SplitLayout):
             return named_sums(eval_sums(logits, labels, mask))
 
         return forward, metrics
+
+    def inference(self) -> nn.Module:
+        raise ConfigError("a pipeline's stages are on different ranks: use evaluate")
 
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
         all_reduce(sums, group=self.mesh.group)  # only the last stage holds the sums

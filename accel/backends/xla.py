@@ -45,6 +45,7 @@ from accel.backends.base import (
     RecompileError,
     StepResult,
     Supports,
+    split_batch,
 )
 from accel.backends.host_reads import RefuseHostReads
 from accel.backends.quiet import quiet_imports
@@ -202,6 +203,7 @@ class XlaBackend:
     pin_memory = False  # MpDeviceLoader stages host batches itself
     trains_in_place = True  # the model's own parameters, moved to the XLA device
     compiles_per_shape = True
+    threaded = False
     sharded_checkpoint = False  # one process holds every array: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
@@ -263,7 +265,7 @@ class XlaBackend:
     def attach(
         self, model: nn.Module, build_optimizer: Callable, loss_fn: LossFn, head: list
     ) -> None:
-        self.module = self.forward = model.to(self.device, dtype=self.amp.param_dtype)
+        self.module = self.forward_module = model.to(self.device, dtype=self.amp.param_dtype)
         if self.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(self.module)
         if self.shard == "full":  # FSDPv2: the weights split on their first axis over `fsdp`
@@ -271,7 +273,7 @@ class XlaBackend:
                 SpmdFullyShardedDataParallel,
             )
 
-            self.forward = SpmdFullyShardedDataParallel(self.module, mesh=self.mesh)
+            self.forward_module = SpmdFullyShardedDataParallel(self.module, mesh=self.mesh)
         # Device random draws (dropout, stochastic depth) differ between replicas.
         xm.set_rng_state(self.cfg.step.seed + self.ctx.rank, str(self.device))
         self.core.attach([self.module], build_optimizer, head, self.cfg.step.ema)
@@ -307,6 +309,9 @@ class XlaBackend:
         # torch_xla.amp.autocast does nothing off TPU in 2.9; torch.autocast('xla') works.
         return torch.autocast("xla", dtype=self.amp.dtype)
 
+    def split(self, batch: tuple, parts: int) -> list[tuple]:
+        return split_batch(batch, parts)
+
     def train_step(
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
@@ -323,7 +328,7 @@ class XlaBackend:
         return torch.cat([means[:1], applied.float()[None], means[1:]])
 
     def forward_loss(self, *batch: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.forward, batch)
+        return self.loss_fn(self.forward_module, batch)
 
     @contextlib.contextmanager
     def scope(self, last: bool):
@@ -370,7 +375,7 @@ class XlaBackend:
         try:
             with self.weights(ema):
                 keys, sums = metric_sums(
-                    self.module, self.forward, map(self.on_device, batches), metric_fn,
+                    self.module, self.forward_module, map(self.on_device, batches), metric_fn,
                     self.autocast, self.device, after_batch=torch_xla.sync,
                 )  # fmt: skip
                 sums = self.all_reduce(sums)
@@ -379,6 +384,15 @@ class XlaBackend:
             if self.compiles_at_warmup is not None:
                 self.compiles_at_warmup += compile_count() - before
         return dict(zip(keys, sums.cpu().tolist(), strict=True))
+
+    @torch.no_grad()
+    def forward(self, inputs: tuple) -> Any:
+        self.module.eval()
+        try:
+            with self.autocast():
+                return self.forward_module(*self.on_device(tuple(inputs)))
+        finally:
+            self.module.train()
 
     @contextlib.contextmanager
     def weights(self, ema: bool):

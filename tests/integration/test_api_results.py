@@ -228,3 +228,73 @@ def test_a_new_batch_shape_on_jax_is_said_once_with_both_shapes(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "compiled again" in err[0]
     assert "[8, 3, 8, 8]" in err[0] and "[16, 3, 8, 8]" in err[0]
+
+
+# --- what a classic script needs of the API -----------------------------------------------------
+@pytest.mark.parametrize("backend", EVERY)
+def test_prepare_runs_again_in_the_same_process(backend):
+    first, _ = trained(backend, "own", steps=2)
+    second, model = trained(backend, "own", steps=2)
+    assert second.state_dict().keys() == model.state_dict().keys()
+    assert all(r.applied for r in second.fetch([second.step(*batches(1)[0])]))
+    assert first.steps_done == 2 and second.steps_done == 3
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_evaluate_over_a_loader_whose_last_batch_is_smaller(backend):
+    engine, _ = trained(backend, "own", steps=1)
+    data = torch.utils.data.TensorDataset(*(torch.cat(t) for t in zip(*batches(2), strict=True)))
+    loader = torch.utils.data.DataLoader(data, batch_size=12)  # 32 images: 12, 12 and 8
+    sums = engine.evaluate(loader, metric_fn)
+    assert sums["count"] == 32
+    assert sums == pytest.approx(engine.evaluate([data.tensors], metric_fn), rel=1e-5)
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_engine_model_is_an_eval_forward_returning_torch_tensors(backend):
+    engine, _ = trained(backend, "own", steps=2)
+    fresh = Net()
+    fresh.load_state_dict(engine.state_dict())
+    fresh.eval()
+    images = batches(1)[0][0]
+    for device_images in (images, next(iter(engine.loader([(images,)])))[0]):
+        out = engine.model(device_images)
+        assert isinstance(out, torch.Tensor) and out.device.type in (
+            "cpu",
+            device_images.device.type,
+        )
+        assert out.cpu() == pytest.approx(fresh(images).detach(), rel=1e-4, abs=1e-5)
+    assert (
+        engine.model.eval() is not None
+        and engine.model.state_dict().keys() == fresh.state_dict().keys()
+    )
+
+
+def test_a_scheduler_the_script_steps_per_epoch_sets_the_rate_of_the_next_steps():
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    engine = accel.prepare(model, optimizer, loss_fn, quiet=True)
+    rates = []
+    for _epoch in range(3):
+        for images, labels in batches(2):
+            engine.step(images, labels)
+            rates.append(engine.lr[0])
+        scheduler.step()
+    assert rates == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_save_and_load_keep_the_scripts_own_state(backend, tmp_path):
+    engine, _ = trained(backend, "own", steps=2)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    scheduler.step()
+    extra = {"epoch": 3, "best_acc1": 0.75, "scheduler": scheduler.state_dict()}
+    engine.save(tmp_path / "ckpt.pt", extra=extra)
+    again, _ = trained(backend, "own", steps=1)
+    assert again.load(tmp_path / "ckpt.pt") == extra
+    assert again.steps_done == 2
+    saved = engine.state_dict()
+    assert all(torch.equal(t, saved[n]) for n, t in again.state_dict().items())

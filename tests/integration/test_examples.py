@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, run_module, run_script, xla_flags
 
@@ -25,8 +26,9 @@ def documented(prefix: str) -> list[str]:
     return sorted(set(found))
 
 
-def run(command: str, tmp_path, port: int | None = None) -> dict:
-    """Run a documented command verbatim (its output folder under tmp_path); its losses.json.
+def run(command: str, tmp_path, port: int | None = None, stderr: list | None = None) -> dict:
+    """Run a documented command verbatim (its output folder under tmp_path); its losses.json
+    (and its stderr appended to `stderr`).
     torchrun's rendezvous takes `port` through its environment (PET_MASTER_PORT), so the
     command stays as documented and two suites on one machine do not share torchrun's 29500."""
     words = shlex.split(command, comments=True)
@@ -47,6 +49,8 @@ def run(command: str, tmp_path, port: int | None = None) -> dict:
         env.update({"PET_MASTER_PORT": str(port)} if port else {})
         done = run_module("torch.distributed.run", *words[1:], env=env)
     assert done.returncode == 0, f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
+    if stderr is not None:
+        stderr.append(done.stderr)
     return json.loads((out / "losses.json").read_text())
 
 
@@ -66,16 +70,28 @@ def test_minimal_gives_the_same_losses_on_every_backend(tmp_path):
         assert r["losses"] == pytest.approx(first[: len(r["losses"])], rel=1e-4, abs=1e-5), r
 
 
-def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path):
+@pytest.mark.parametrize("backend", ["eager", "compile", "xla", "jax"] if HAS_XLA else
+                         ["eager", "compile", "jax"])  # fmt: skip
+def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path, backend):
+    """Its own validation loop and training accuracy, its DataLoader workers (started without
+    a fork in a threaded process on jax), and the plain script's losses."""
     before = run("python examples/classic_loop.py --steps 8 --out runs/classic", tmp_path)
-    for backend in ("eager", "jax"):
-        after = run(
-            f"ACCEL_BACKEND={backend} python examples/classic_loop_accel.py --steps 8 "
-            f"--out runs/{backend}",
-            tmp_path,
-        )
-        assert after["backend"] == backend
-        assert after["losses"] == pytest.approx(before["losses"], rel=1e-4, abs=1e-5)
+    stderr: list[str] = []
+    after = run(
+        f"ACCEL_BACKEND={backend} python examples/classic_loop_accel.py --steps 8 "
+        f"--out runs/{backend}",
+        tmp_path,
+        stderr=stderr,
+    )
+    assert after["backend"] == backend
+    assert after["losses"] == pytest.approx(before["losses"], rel=1e-4, abs=1e-5)
+    assert "fork()" not in stderr[0], stderr[0][-2000:]
+    saved = torch.load(tmp_path / "runs" / backend / "checkpoint.pt", weights_only=True)
+    plain = torch.load(tmp_path / "runs" / "classic" / "checkpoint.pt", weights_only=True)
+    assert set(saved) == set(plain)
+    for name, value in saved.items():
+        assert value.device.type == "cpu"
+        assert value == pytest.approx(plain[name], rel=1e-3, abs=1e-4), name
 
 
 @pytest.mark.parametrize("model", ["vit_b_16", "swin_t"])
@@ -126,5 +142,6 @@ def test_the_readme_counts_the_classic_loops_edit_right():
     diff = list(difflib.unified_diff(before, after, lineterm="", n=0))[2:]
     removed = sum(line.startswith("-") for line in diff)
     added = sum(line.startswith("+") for line in diff)
+    assert removed + added <= 25
     sentence = f"{removed} lines removed and {added} added in a {len(before)}-line script"
     assert sentence in (ROOT / "README.md").read_text().replace("\n", " ")
