@@ -276,7 +276,8 @@ class Engine:
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
         self.model_given: nn.Module | None = None  # the model prepare was handed
-        self.shapes: tuple | None = None  # the batch shapes the step last compiled for
+        self.shapes: tuple | None = None  # the last step's batch shapes
+        self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
 
     @property
@@ -357,7 +358,7 @@ class Engine:
         started = time.perf_counter()
         with user_errors("step"):
             handle = self.runner.train_step(micro_batches, self.lr, decay)
-        if shapes != self.shapes:
+        if shapes not in self.shapes_seen:  # a compiling backend compiled the step for them
             if self.shapes is not None and self.runner.compiles_per_shape and self.is_main:
                 seconds = time.perf_counter() - started
                 say(
@@ -365,7 +366,8 @@ class Engine:
                     f"{shape_text(shapes)}, after {shape_text(self.shapes)}: keep them fixed (a "
                     "DataLoader's drop_last=True)"
                 )
-            self.shapes = shapes
+            self.shapes_seen.add(shapes)
+        self.shapes = shapes
         self.state.step = done + 1
         return handle
 
