@@ -374,11 +374,23 @@ class CheckpointParts:
     rng: Stateful  # each rank's random states: all gathered into the meta, or each rank's own
 
 
+def plain(value: Any) -> Any:
+    """`value` with numpy's scalars as Python numbers (a fetched loss is a numpy float64), so
+    that it loads without unpickling anything."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(plain(v) for v in value)
+    return value
+
+
 def save_checkpoint(
     final: Path, parts: CheckpointParts, meta: dict[str, Any], main: bool, rank: int, sharded: bool
 ) -> None:
     """Called on every rank: one file from rank 0, or a folder each rank writes its part of."""
-    meta = {**meta, "loop": parts.loop.state_dict()}
+    meta = plain({**meta, "loop": parts.loop.state_dict()})
     if sharded:
         state = {**parts.tensors.state_dict(), "rng": {f"rank{rank}": parts.rng.state_dict()}}
         write_folder(final, state, meta, main)

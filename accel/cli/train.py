@@ -200,7 +200,7 @@ class StepLog:
         results = t.engine.fetch([handle for _, handle, _ in self.pending])
         timing = t.timer.group(len(self.pending), t.global_batch)
         for (step, _, lr), (loss, applied) in zip(self.pending, results, strict=True):
-            t.state.losses.append(loss)
+            t.state.losses.append(float(loss))
             t.logger.record("step", step=step, loss=loss, lr=lr, applied=applied, **timing)
             t.logger.scalars(step, loss=loss, lr=lr, **timing)
             if not applied:
