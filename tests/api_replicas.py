@@ -16,10 +16,9 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.distributed.tensor import DTensor
 
 import accel
-from tests.helpers import Net, api_loss_fn, colour_batches, grouped
+from tests.helpers import Net, api_loss_fn, api_metric_fn, colour_batches, grouped
 
 
 def record_group_at_exit(out: Path) -> None:
@@ -48,13 +47,26 @@ def main() -> None:
     part = 16 // ranks
     mine = [tuple(t[rank * part : (rank + 1) * part] for t in b) for b in colour_batches(4)]
     losses = [r.loss for r in engine.fetch([engine.step(*b) for b in engine.loader(mine)])]
-    state = engine.runner.checkpoint_state()["model"]
-    state = {n: t.full_tensor() if isinstance(t, DTensor) else t for n, t in state.items()}
+    state = engine.state_dict()  # whole, on the host, on every rank (split weights gathered)
+    held_out = colour_batches(2, seed=9)
+    sums = engine.evaluate([tuple(t[rank * part : (rank + 1) * part] for t in b)
+                            for b in held_out], api_metric_fn)  # fmt: skip
     engine.save(out / "checkpoint")
     if rank == 0:
         weights = {n: t.float().flatten()[:4].tolist() for n, t in state.items()}
-        stats = engine.runner.stats()
-        split = {"shard": stats.shard, "state_bytes": stats.state_bytes}
+        fresh = Net()
+        fresh.load_state_dict(state)  # the user's own model, loaded with what was trained
+        fresh.eval()
+        with torch.no_grad():
+            plain = [api_metric_fn(fresh, b) for b in held_out]
+        split = {
+            "shard": engine.stats().shard,
+            "state_bytes": engine.stats().state_bytes,
+            "evaluated": sums,
+            "plain_evaluated": {k: float(sum(float(p[k]) for p in plain)) for k in sums},
+            "dtypes": sorted({str(t.dtype) for t in state.values()}),
+            "devices": sorted({t.device.type for t in state.values()}),
+        }
         if backend == "xla":  # its state bytes are whole tensors': the params' own sharding
             import torch_xla
 

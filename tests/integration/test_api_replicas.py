@@ -28,9 +28,15 @@ def one_replica(tmp_path_factory):
 
 
 def close(a: dict, b: dict, tolerance: float) -> None:
+    """Equal losses and trained weights (engine.state_dict: whole, fp32, on the host), and the
+    user's own model loaded from them evaluates as engine.evaluate does."""
     assert a["losses"] == pytest.approx(b["losses"], rel=tolerance, abs=tolerance)
+    assert set(a["weights"]) == set(b["weights"])
     for name, values in a["weights"].items():
         assert values == pytest.approx(b["weights"][name], abs=tolerance), name
+    assert a["dtypes"] == ["torch.float32"] and a["devices"] == ["cpu"]
+    assert a["evaluated"]["count"] == 32
+    assert a["evaluated"] == pytest.approx(a["plain_evaluated"], rel=1e-5)
 
 
 def loaded_weights(checkpoint: Path, backend: str) -> dict:
@@ -39,8 +45,7 @@ def loaded_weights(checkpoint: Path, backend: str) -> dict:
     optimizer = torch.optim.AdamW(model.parameters())
     engine = accel.prepare(model, optimizer, api_loss_fn, backend=backend, quiet=True)
     engine.load(checkpoint)
-    state = engine.runner.checkpoint_state()["model"]
-    return {n: t.float().flatten()[:4].tolist() for n, t in state.items()}
+    return {n: t.float().flatten()[:4].tolist() for n, t in engine.state_dict().items()}
 
 
 @pytest.mark.parametrize("shard", ["none", "full"])

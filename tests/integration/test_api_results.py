@@ -298,3 +298,13 @@ def test_save_and_load_keep_the_scripts_own_state(backend, tmp_path):
     assert again.steps_done == 2
     saved = engine.state_dict()
     assert all(torch.equal(t, saved[n]) for n, t in again.state_dict().items())
+
+
+@pytest.mark.parametrize("backend", ["eager", "jax"])
+def test_float_class_ids_are_one_line_naming_the_users_loss(backend):
+    model = Net()
+    engine = accel.prepare(model, grouped(model, "sgd"), loss_fn, backend=backend, quiet=True)
+    images, labels = batches(1)[0]
+    with pytest.raises(accel.AccelError) as err:
+        engine.step(images, labels.float())
+    assert "\n" not in str(err.value) and "helpers.py" in str(err.value)
