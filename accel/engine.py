@@ -132,8 +132,10 @@ def prepare(
     optimizer: a torch.optim.AdamW, Adam or SGD over the model's parameters, with its param
         groups (their own lr and weight decay; timm's `lr_scale` for layer decay). accel rebuilds
         it over the tensors it updates (jax: translates it to optax); yours is not stepped.
-    loss_fn: (model, batch) -> scalar tensor; `batch` is the tuple given to `step`. Call the
-        model inside: every backend traces it. Read no value on the host (no `.item()`).
+    loss_fn: (model, batch) -> scalar tensor, or (loss, {name: scalar tensor}) whose extras
+        (training accuracy, say) come back with the loss in `fetch`; `batch` is the tuple given
+        to `step`. Call the model inside: every backend traces it. Read no value on the host
+        (no `.item()`).
     schedule: the base learning rate as a function of the optimizer step (each group keeps its
         ratio to the first group's rate), or a torch LRScheduler bound to `optimizer` that accel
         steps. Without it each step takes `optimizer`'s groups' rates as they are then: step
@@ -337,8 +339,8 @@ class Engine:
 
     def step(self, *batch: Any) -> Any:
         """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
-        handle that stays on the device until `fetch`. A batch from `loader` is split into the
-        `accum` micro-batches here; `step(micro_batches=[...])` takes them already split."""
+        handle that stays on the device until `fetch`. The batch is split into the `accum`
+        micro-batches here; `step_micro_batches` takes them already split."""
         if len(batch) == 1 and isinstance(batch[0], tuple | list):
             batch = tuple(batch[0])
         check_batch(batch)
