@@ -31,6 +31,7 @@ import atexit
 import dataclasses
 import gc
 import importlib
+import importlib.util
 import inspect
 import io
 import json
@@ -55,6 +56,7 @@ LAUNCHER = "accel.launch_single_task"
 PRELOAD = ("torch", "torchvision", "timm", "jax", "torch_xla", LAUNCHER)
 PRELOAD += ("accel.cli.train", "accel.cli.compare", "accel.engine")
 PRELOAD += ("accel.backends.eager", "accel.backends.compile", "accel.backends.xla")
+OPTIONAL = ("jax", "torch_xla")  # preloaded where installed
 # The programs forked rather than started afresh: the project's own, pytest and torchrun. Others
 # (torch.compile's pool of compile workers, a user's script outside the project) start afresh.
 FORKED_MODULES = ("accel", "bench", "tests", "pytest", "torch.distributed.run")
@@ -140,6 +142,8 @@ def preload() -> None:
 
     with quiet_imports():
         for name in PRELOAD:
+            if name in OPTIONAL and importlib.util.find_spec(name) is None:
+                continue  # an optional backend this stack lacks (torch_xla on a newer torch)
             importlib.import_module(name)
     IMPORTED_ENV.update({k: v for k, v in os.environ.items() if before.get(k) != v})
     THREADS = sys.modules["torch"].get_num_threads()
@@ -214,9 +218,10 @@ def _adopt_environment(env: dict[str, str]) -> None:
     os.environ.update(env)
     for key, value in IMPORTED_ENV.items():
         os.environ.setdefault(key, value)
-    torch_xla = sys.modules["torch_xla"]
-    torch_xla._setup_default_env()  # what its import does to this environment (XLA_FLAGS)
-    torch_xla._setup_xla_flags()
+    torch_xla = sys.modules.get("torch_xla")
+    if torch_xla is not None:
+        torch_xla._setup_default_env()  # what its import does to this environment (XLA_FLAGS)
+        torch_xla._setup_xla_flags()
     # torchrun's 1 a rank, which torch reads only as it starts. Set only where it changes: setting
     # starts a thread of OpenMP's, after which this process is no longer fit to fork.
     torch, threads = sys.modules["torch"], int(env.get("OMP_NUM_THREADS", THREADS))
