@@ -63,7 +63,7 @@ CASES = [
 
 def test_kernel_opt_is_left_out_only_where_it_changes_nothing():
     for backend, levels in KERNEL_OPT_LEVELS.items():
-        note = backend_module(backend).SUPPORTS.kernel_opt
+        note = backend_module(backend, check=False).SUPPORTS.kernel_opt  # installed or not
         assert (len(levels) == 0) == note.startswith("nothing more"), backend
 
 
