@@ -39,7 +39,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accel.backends import backend_module, refusals, resolve_backend
+from accel.backends import check_supported, resolve_backend
 from accel.backends.base import (
     Backend,
     BackendStats,
@@ -169,11 +169,11 @@ def prepare(
     if cfg.step.ema and ema is None:
         ema = DEFAULT_EMA_DECAY
     name, why = choose_backend(cfg.backend or None)
-    try:
-        module = backend_module(name)
+    cfg = settled(cfg, name, ema)
+    try:  # it runs here, and runs every setting given (float16, a shard mode, ...)
+        module = check_supported(cfg)
     except BackendUnavailable as err:
         raise AccelError(str(err)) from None
-    cfg = settled(cfg, name, ema)
     if not any(p.requires_grad for p in model.parameters()):
         raise AccelError(
             f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
@@ -183,9 +183,6 @@ def prepare(
     refused = spec.refusals()
     if refused:
         raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
-    problems = refusals(cfg, module.SUPPORTS)  # what this backend cannot run (e.g. float16)
-    if problems:
-        raise AccelError(problems[0])
     ctx = module.context(cfg)
     if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
         init_process_group(ctx)

@@ -12,7 +12,6 @@ import torch
 
 from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supports
 from accel.config import BACKENDS, BackendConfig, ConfigError
-from accel.distributed import DistContext
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 
@@ -52,10 +51,6 @@ def backend_module(name: str, check: bool = True) -> BackendModule:
     if check:
         module.require()
     return module  # type: ignore[return-value]  # a module that provides BackendModule's names
-
-
-def create_backend(cfg: BackendConfig, ctx: DistContext) -> Backend:
-    return backend_module(cfg.backend).build(cfg, ctx)
 
 
 def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
@@ -125,7 +120,6 @@ __all__ = [
     "Supports",
     "backend_module",
     "check_supported",
-    "create_backend",
     "refusals",
     "resolve_backend",
     "support_matrix",

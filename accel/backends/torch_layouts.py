@@ -34,7 +34,14 @@ from accel.losses import (
 )
 from accel.models.factory import ImageClassifier
 from accel.parallel import fsdp, pipeline, tp_head
-from accel.parallel.materialize import allocate, fill_from_rank0, is_meta, named_tensors, whole
+from accel.parallel.materialize import (
+    allocate,
+    builder,
+    fill_from_rank0,
+    is_meta,
+    named_tensors,
+    whole,
+)
 from accel.parallel.mesh import MeshLayout
 
 ForwardLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -156,19 +163,19 @@ class SplitLayout(Replicas):
     ) -> list:
         """`split` transforms the model on the meta device into the modules this rank keeps; a
         model given whole is split as its meta twin, filled from rank 0's copy of it."""
-        if not is_meta(model):
+        if is_meta(model):
+            build = builder(init)
+        else:
             given = model
-            init = lambda: given  # noqa: E731
+            build = lambda: given  # noqa: E731
             model = copy.deepcopy(model).to("meta")
-        elif init is None:
-            whole(model, init)  # refused: nothing builds the values
         model = model.to(self.param_dtype)
         reference = copy.deepcopy(model)  # the whole model's names and shapes
         modules = split(model)
         allocate(modules, self.device)
         parts = {n: t for m in modules for n, t in named_tensors(m)}
         parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
-        fill_from_rank0(parts, reference, cast(ModelInit, init), self.device)  # set, or refused
+        fill_from_rank0(parts, reference, build, self.device)
         return modules
 
 

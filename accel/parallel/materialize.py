@@ -123,13 +123,16 @@ def is_meta(model: nn.Module) -> bool:
     return any(t.is_meta for _, t in named_tensors(model))
 
 
-def whole(model: nn.Module, init: Callable[[], nn.Module] | None) -> nn.Module:
-    """`model` itself, or where it is on the meta device the whole model `init` builds."""
-    if not is_meta(model):
-        return model
+def builder(init: Callable[[], nn.Module] | None) -> Callable[[], nn.Module]:
+    """`init`, which a model on the meta device needs to get its starting values."""
     if init is None:
         raise ConfigError(
             "the model is on the meta device: give prepare(..., init=FN), FN building it with "
             "its starting values"
         )
-    return init()
+    return init
+
+
+def whole(model: nn.Module, init: Callable[[], nn.Module] | None) -> nn.Module:
+    """`model` itself, or where it is on the meta device the whole model `init` builds."""
+    return builder(init)() if is_meta(model) else model
