@@ -511,3 +511,19 @@ def job_backend(cfg, ctx=None):
     backend = backend_module(cfg.backend).build(backend_config(cfg), ctx or DistContext())
     backend.adopt(model, spec, classifier_loss, init)
     return backend
+
+
+def steps_reading_nothing(engine, backend: str, data: list) -> list:
+    """Two warm-up steps (compiles, first-step allocations), then the rest of `data`'s steps,
+    asserting that none reads a value back to the host before fetch (jax: a device-to-host
+    transfer raises); the handles of those steps."""
+    engine.fetch([engine.step(*b) for b in data[:2]])
+    if backend == "jax":
+        import jax
+
+        with jax.transfer_guard_device_to_host("disallow"):
+            return [engine.step(*b) for b in data[2:]]
+    with HostReads() as reads:
+        handles = [engine.step(*b) for b in data[2:]]
+    assert reads.seen == []
+    return handles

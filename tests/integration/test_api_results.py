@@ -13,7 +13,7 @@ from torch import nn
 from torchvision.models import SwinTransformer
 
 import accel
-from tests.helpers import HAS_XLA, HostReads, Net, grouped
+from tests.helpers import HAS_XLA, Net, grouped, steps_reading_nothing
 from tests.helpers import api_loss_fn as loss_fn
 from tests.helpers import api_metric_fn as metric_fn
 from tests.helpers import colour_batches as batches
@@ -115,17 +115,8 @@ def extras_of(backend: str) -> list[dict[str, float]]:
     engine = accel.prepare(
         model, grouped(model, "sgd"), loss_with_accuracy, backend=backend, accum=2, quiet=True
     )
-    data = list(engine.loader(batches(4)))
-    engine.fetch([engine.step(*b) for b in data[:2]])  # compiles, first-step allocations
-    if backend == "jax":
-        import jax
-
-        with jax.transfer_guard_device_to_host("disallow"):
-            handles = [engine.step(*b) for b in data[2:]]
-    else:
-        with HostReads() as reads:
-            handles = [engine.step(*b) for b in data[2:]]
-        assert reads.seen == []  # the extras stay on the device with the loss
+    # the extras stay on the device with the loss
+    handles = steps_reading_nothing(engine, backend, list(engine.loader(batches(4))))
     results = engine.fetch(handles)  # one transfer for the group, extras with the losses
     assert all(r.applied for r in results)
     return [r.extras for r in results]
