@@ -9,6 +9,7 @@ nothing of the command line (its options live in accel/cli/config.py and are tur
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -56,12 +57,17 @@ class MeshConfig:
 
     devices: devices one process drives (xla's SPMD mesh, jax's local devices); under torchrun
     each process is one replica. shard: none, full (weights, gradients and optimizer state
-    split over the data replicas) or grad_op (gradients and optimizer state only). tp_head:
-    ranks the classifier's classes are split over. pp: pipeline stages.
+    split over the data replicas) or grad_op (gradients and optimizer state only). tp: ranks
+    each transformer block's linear layers are split over (Megatron's columns and rows); tp_plan:
+    which layers, {module name pattern: style} (accel.parallel.tensor_parallel; default: found
+    by module type in timm's and torchvision's ViT and Swin). tp_head: ranks the classifier's
+    classes are split over (the tensor-parallel ranks). pp: pipeline stages.
     """
 
     devices: int = 1
     shard: ShardMode = "none"
+    tp: int = 1
+    tp_plan: Mapping[str, str] | None = None
     tp_head: int = 1
     pp: int = 1
     pp_schedule: PipelineSchedule = "1f1b"

@@ -30,7 +30,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol
@@ -74,6 +74,7 @@ from accel.config import (
 from accel.distributed import DistContext, init_process_group
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.parallel.fsdp import full_value
+from accel.parallel.tensor_parallel import resolve_plan
 
 AccelError = ConfigError  # every refusal: one line, raised before any weight changes
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
@@ -118,6 +119,9 @@ def prepare(
     backend: BackendName | None = None,
     devices: int | None = None,
     shard: ShardMode = "none",
+    tp: int = 1,
+    tp_plan: Mapping[str, str] | None = None,
+    pp: int = 1,
     seed: int = 0,
     quiet: bool = False,
     init: ModelInit | None = None,
@@ -153,6 +157,16 @@ def prepare(
         compile, FSDPv2 on an xla mesh, sharded arrays on jax devices); "grad_op" (eager,
         compile, jax) splits the gradients and optimizer state and keeps each unit's gathered
         weights from the forward to the backward. With one replica there is nothing to split.
+    tp: ranks (eager, compile: processes; xla, jax: devices) each transformer block's linear
+        layers are split over, Megatron's way: attention's qkv and the MLP's fc1 by output
+        features, attention's proj and fc2 by input features. The blocks of timm's and
+        torchvision's ViT and Swin are found by module type; for a model of your own give
+        `tp_plan`. The rest of the ranks split the data (and with `shard`, the weights): 4
+        processes at tp=2 are 2 data groups of 2.
+    tp_plan: {module name or fnmatch pattern: "colwise" | "rowwise" | "colwise_gather" |
+        "rowwise_whole" | "replicate"}, the linear layers tp splits (see
+        accel.parallel.tensor_parallel): {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}.
+    pp: pipeline stages (eager; the command line's ViT classifier and its loss only).
     seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
     quiet: say nothing at start (default: one line naming the backend and why).
     state: an object with a `step` count and state_dict/load_state_dict (a
@@ -162,7 +176,8 @@ def prepare(
         StepConfig, MeshConfig and CompilerConfig: the split classifier, the pipeline, remat,
         compile cache and recompile limits among them); the keywords above then stay unset.
     """
-    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, devices, shard, seed)
+    mesh = (devices, shard, tp, tp_plan, pp)
+    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, mesh, seed)
     if config is not None and given != keyword_config(*KEYWORD_DEFAULTS):
         raise AccelError("give the backend's settings as config= or as keywords, not both")
     cfg = config or replace(given, step=replace(given.step, ema=ema is not None))
@@ -179,6 +194,8 @@ def prepare(
             f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
             "one): there is nothing to train"
         )
+    if cfg.mesh.tp > 1:  # what splits, refused in one line before anything is built
+        resolve_plan(model, cfg.mesh.tp_plan, cfg.mesh.tp)
     spec = OptimizerSpec.of(optimizer, model)
     refused = spec.refusals()
     if refused:
@@ -205,7 +222,8 @@ def prepare(
     return engine
 
 
-KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", None, "none", 0)  # prepare's own
+# prepare's own
+KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", (None, "none", 1, None, 1), 0)
 DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)
 
 
@@ -215,14 +233,15 @@ def keyword_config(
     accum: int,
     amp: str,
     amp_dtype: str,
-    devices: int | None,
-    shard: str,
+    mesh: tuple[int | None, str, int, Mapping[str, str] | None, int],
     seed: int,
 ) -> BackendConfig:
-    """prepare's keywords as the library's config (checked by `settled`)."""
+    """prepare's keywords as the library's config (checked by `settled`); `mesh`: devices,
+    shard, tp, tp_plan and pp."""
     step = StepConfig(amp, amp_dtype, clip_grad, accum, seed=seed)  # type: ignore[arg-type]
-    mesh = MeshConfig(devices=devices or 0, shard=shard)  # type: ignore[arg-type]
-    return BackendConfig(backend or "", step, mesh)  # type: ignore[arg-type]
+    devices, shard, tp, tp_plan, pp = mesh
+    layout = MeshConfig(devices or 0, shard, tp, tp_plan, pp=pp)  # type: ignore[arg-type]
+    return BackendConfig(backend or "", step, layout)  # type: ignore[arg-type]
 
 
 def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> BackendConfig:
@@ -236,8 +255,8 @@ def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> Ba
         raise AccelError(f"ema is a decay in [0, 1), got {ema}")
     if not mesh.devices:
         mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1))
-    if step.accum < 1 or mesh.devices < 1:
-        raise AccelError("accum and devices must be at least 1")
+    if min(step.accum, mesh.devices, mesh.tp, mesh.pp) < 1:
+        raise AccelError("accum, devices, tp and pp must be at least 1")
     compiler = cfg.compiler
     if not compiler.cache_dir:
         compiler = replace(compiler, cache_dir=str(cache_dir(name)))

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from accel.config import ConfigError
 
@@ -81,14 +82,18 @@ class OptimizerSpec:
         a backend's own implementation of the same update (torch_xla's syncfree AdamW)."""
         # A rank that keeps part of the model (a pipeline stage) updates the tensors it holds;
         # its groups stay in order, empty where it holds none of one, so rates match by index.
-        groups = [
-            {
-                "params": [tensor_of[n] for n in g.names if n in tensor_of],
-                **g.hyper,
-                "lr_scale": g.lr_scale,
-            }
-            for g in self.groups
-        ]
+        # Fused and foreach updates run over one group's tensors at once, and DTensor refuses a
+        # list mixing DTensors and plain tensors (a model split by tensors holds both): such a
+        # group becomes two, both naming the group they came from (`spec_group`).
+        groups = []
+        for index, g in enumerate(self.groups):
+            tensors = [tensor_of[n] for n in g.names if n in tensor_of]
+            kinds = {isinstance(t, DTensor) for t in tensors}
+            for split in sorted(kinds) or [False]:
+                mine = [t for t in tensors if isinstance(t, DTensor) == split]
+                groups.append(
+                    {"params": mine, **g.hyper, "lr_scale": g.lr_scale, "spec_group": index}
+                )
         kind = optimizer_class or getattr(torch.optim, self.kind)
         return kind(groups, **implementation)
 

@@ -63,16 +63,25 @@ def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
             "--amp_dtype float16",
         ),
         (mesh.shard not in supports.shard, "--shard " + mesh.shard),
+        (mesh.tp > 1 and not supports.tp, "--tp"),
         (mesh.tp_head > 1 and not supports.tp_head, "--tp_head"),
         (mesh.pp > 1 and not supports.pp, "--pp"),
         (step.remat and not supports.remat, "--remat"),
     ]
-    return [
+    lines = [
         f"{flag} is not supported by the {name} backend (launch_single_task --backends "
         "shows what each backend runs)"
         for refused, flag in checks
         if refused
     ]
+    given = {"--tp": mesh.tp > 1, "--tp_head": mesh.tp_head > 1, "--pp": mesh.pp > 1}
+    given["--shard"] = mesh.shard != "none"
+    lines += [
+        f"{a} and {b} cannot be combined on the {name} backend: {why}"
+        for a, b, why in supports.exclusive
+        if given[a] and given[b]
+    ]
+    return lines
 
 
 def check_supported(cfg: BackendConfig) -> BackendModule:
@@ -91,6 +100,8 @@ def support_matrix() -> str:
     def mark(value) -> str:
         if isinstance(value, bool):
             return "yes" if value else "-"
+        if isinstance(value, tuple) and value and isinstance(value[0], tuple):
+            return "; ".join(f"{a} + {b}" for a, b, _ in value)  # the exclusive pairs
         if isinstance(value, tuple):
             return ", ".join(v for v in value if v != "none") or "-"
         return str(value)
@@ -99,8 +110,10 @@ def support_matrix() -> str:
         ("--amp_level", "amp_levels"),
         ("--amp_dtype float16", "float16"),
         ("--shard", "shard"),
+        ("--tp", "tp"),
         ("--tp_head", "tp_head"),
         ("--pp", "pp"),
+        ("not together", "exclusive"),
         ("--remat", "remat"),
         ("--data_device gpu", "data_device_gpu"),
         ("--nproc_per_node N as", "replicas"),

@@ -111,8 +111,11 @@ class Supports:
     amp_levels: tuple[str, ...] = AMP_LEVELS
     float16: bool = False  # --amp_dtype float16 (loss scaling)
     shard: tuple[str, ...] = ("none",)  # --shard modes
-    tp_head: bool = False
+    tp: bool = False  # transformer blocks split by tensors
+    tp_head: bool = False  # the classifier split by class
     pp: bool = False
+    # Options that cannot run together here: (flag, flag, why), refused in one line naming both.
+    exclusive: tuple[tuple[str, str, str], ...] = ()
     remat: bool = False
     data_device_gpu: bool = False  # --data_device gpu (JPEGs decoded on the CUDA device)
     # How --nproc_per_node N runs: "processes" (torchrun, one a device) or "devices" (one

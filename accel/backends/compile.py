@@ -17,7 +17,9 @@ from accel.distributed import DistContext, env_context
 SUPPORTS = Supports(
     float16=True,
     shard=("none", "full", "grad_op"),
+    tp=True,
     tp_head=True,
+    exclusive=(("--tp_head", "--shard", "the split classifier's rows are not sharded further"),),
     remat=True,
     data_device_gpu=True,
     kernel_opt="inductor's max-autotune (without CUDA graphs)",

@@ -1,6 +1,7 @@
 """PyTorch eager backend: the shared torch step (torch_core.py) over a layout of the model on the
-ranks (torch_layouts.py: replicas with DDP over NCCL or gloo, FSDP2 shards, a split classifier, a
-pipeline). compile.py is this backend with the forward and loss compiled."""
+ranks (torch_layouts.py: replicas with DDP over NCCL or gloo, or any combination of FSDP2 shards,
+tensor-parallel blocks and classifier, and pipeline stages). compile.py is this backend with the
+forward and loss compiled."""
 
 from __future__ import annotations
 
@@ -24,17 +25,24 @@ from accel.backends.base import (
     split_batch,
 )
 from accel.backends.torch_core import TorchCore, fused_guard, metric_sums
-from accel.backends.torch_layouts import make_layout
+from accel.backends.torch_layouts import TorchLayout
 from accel.config import SHARD_MODES, BackendConfig
 from accel.distributed import DistContext, env_context
 from accel.optim import OptimizerSpec
 from accel.parallel import effective_shard
+from accel.parallel.mesh import ParallelDims
 
 SUPPORTS = Supports(
     float16=True,
     shard=SHARD_MODES,
+    tp=True,
     tp_head=True,
     pp=True,
+    exclusive=(
+        ("--pp", "--shard", "a stage's gradients are reduced once after the schedule"),
+        ("--pp", "--tp_head", "the last stage computes the whole classifier's loss"),
+        ("--tp_head", "--shard", "the split classifier's rows are not sharded further"),
+    ),
     remat=True,
     data_device_gpu=True,
     kernel_opt="nothing more: AdamW is always the fused one",
@@ -103,8 +111,9 @@ class EagerBackend:
         self.compiles_per_shape = compiler is not None  # dynamo guards on the input shapes
         self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_device(ctx)
-        self.shard = effective_shard(cfg.mesh.shard, ctx.world_size)
-        self.layout = make_layout(cfg, ctx, self.device, self.amp, self.shard)
+        dims = ParallelDims.of(cfg.mesh, ctx.world_size)
+        self.shard = effective_shard(cfg.mesh.shard, dims.dp)
+        self.layout = TorchLayout(cfg, dims, self.device, self.amp)
         self.data_parallel = self.layout.data_parallel
         self.sharded_checkpoint = self.layout.sharded_checkpoint
         masters = self.amp.master_weights and self.layout.masters_separate
@@ -216,5 +225,5 @@ class EagerBackend:
             shard=self.shard,
             state_bytes=self.core.measured,
             peak_memory_bytes=torch.cuda.max_memory_allocated(self.device) if cuda else None,
-            details={"tp_head": self.cfg.mesh.tp_head},
+            details={"tp": self.layout.dims.tp, "tp_head": self.cfg.mesh.tp_head},
         )

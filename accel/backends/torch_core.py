@@ -45,6 +45,15 @@ def local_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     return torch.nn.utils.get_total_norm(grads)
 
 
+def clip_to_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor) -> None:
+    """torch.nn.utils.clip_grads_with_norm_'s rule (scale by max_norm / (norm + 1e-6) where
+    above) on the gradients' local storage: torch's own multiplies a list that may mix DTensor
+    and plain gradients (a model split by tensors), which DTensor refuses."""
+    grads = [_storage(p.grad) for p in params if p.grad is not None]
+    scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
+
+
 def init_optimizer_state(optimizer: torch.optim.Optimizer, extra: StateInit | None = None) -> None:
     """Create the optimizer's state where no step has made it yet, as its first step would
     (Adam/AdamW: zero moments, step counts at zero; SGD with momentum: a zero buffer, which its
@@ -135,12 +144,14 @@ class TorchCore:
         self.ema = [self.updated(p).detach().float().clone() for p in self.params] if ema else []
 
     def set_lr(self, lr: float | Sequence[float]) -> None:
-        """One base rate (each group scaled by its `lr_scale`), or one rate per group."""
+        """One base rate (each group scaled by its `lr_scale`), or one rate per group of the
+        user's optimizer (a group split in two by OptimizerSpec.build takes its group's)."""
         groups = self.optimizer.param_groups
         if isinstance(lr, int | float):
             rates = [lr * g.get("lr_scale", 1.0) for g in groups]
         else:
-            rates = list(lr)
+            given = list(lr)
+            rates = [given[g.get("spec_group", i)] for i, g in enumerate(groups)]
         for group, rate in zip(groups, rates, strict=True):
             group["lr"] = rate
 
@@ -178,7 +189,7 @@ class TorchCore:
         params = self.optimizer_params
         norm = norm_of(params)
         if clip > 0:
-            torch.nn.utils.clip_grads_with_norm_(params, clip, norm)
+            clip_to_norm(params, clip, norm)
         finite = torch.isfinite(loss)
         if not self.scaler.is_enabled():  # the loss scaler skips steps with inf gradients itself
             finite &= torch.isfinite(norm)

@@ -1,10 +1,15 @@
-"""How the torch backends (eager, compile) lay one model out over their ranks: replicas (one
-process, or DDP), FSDP2 shards, a classifier split by class, a pipeline. A layout builds the part
-of the model this rank keeps and says how the step's values are reduced across ranks; the model
-transforms themselves are accel/parallel's functions.
+"""How the torch backends (eager, compile) lay one model out over their ranks: one layout over the
+mesh of `ParallelDims` (data groups x tensor-parallel ranks x pipeline stages), its parallelisms
+applied to the model in order, as accel/parallel's functions: the pipeline's cut (`cut_vit`), the
+blocks' tensor split (`apply_tp`), the classifier's split (`apply_tp_head`), FSDP2 over the data
+axis (`apply_fsdp`). The step's reductions follow from the mesh's axes: the gradients over the
+data axis (DDP for whole replicas, FSDP's reduce-scatter for shards, an all-reduce otherwise), the
+loss over the data axis (and from the pipeline's last stage), the gradient norm over what each
+rank holds alone (its DTensor shards, the classifier's rows, its stages).
 
-A split layout builds the model on the meta device, transforms it, allocates only this rank's
-part and takes its values from the whole model rank 0 initialises (accel/parallel/materialize.py).
+A layout that splits the model builds it on the meta device, transforms it, allocates only this
+rank's part and takes its values from the whole model rank 0 initialises
+(accel/parallel/materialize.py).
 """
 
 from __future__ import annotations
@@ -18,13 +23,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
 from accel.backends.base import Batch, LossFn, MetricFn, ModelInit
-from accel.backends.torch_core import TorchCore, accumulate, local_norm
+from accel.backends.torch_core import TorchCore, accumulate
 from accel.config import BackendConfig, ConfigError
-from accel.distributed import DistContext
 from accel.losses import (
     classifier_loss,
     classifier_metrics,
@@ -33,7 +38,7 @@ from accel.losses import (
     soft_target_loss,
 )
 from accel.models.factory import ImageClassifier
-from accel.parallel import fsdp, pipeline, tp_head
+from accel.parallel import fsdp, pipeline, tensor_parallel, tp_head
 from accel.parallel.materialize import (
     allocate,
     builder,
@@ -42,7 +47,7 @@ from accel.parallel.materialize import (
     named_tensors,
     whole,
 )
-from accel.parallel.mesh import MeshLayout
+from accel.parallel.mesh import MeshAxis, ParallelDims
 
 ForwardLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -55,50 +60,136 @@ def all_reduce(value: torch.Tensor, group=None, mean: bool = False) -> torch.Ten
     return value
 
 
-class Replicas:
-    """The whole model on every rank: one process, or DDP over the data-parallel ranks."""
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """The part of `tensor` this rank stores (a DTensor's local shard)."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
-    sharded_checkpoint = False
-    masters_separate = True  # O2: fp32 masters beside a low-precision model
-    autocast_cache = True  # autocast may cache its weight casts within a forward
 
-    def __init__(self, cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
-        self.cfg, self.ctx, self.device, self.amp = cfg, ctx, device, amp
-        self.data_parallel = (ctx.rank, ctx.world_size)
-        self.dp_group = None  # the ranks that split the data (None: all)
+class TorchLayout:
+    """The model over the ranks of `dims`: whole on each (one process, or DDP), or split by any
+    combination of FSDP2 shards, tensor-parallel blocks and classifier, and pipeline stages."""
+
+    def __init__(
+        self, cfg: BackendConfig, dims: ParallelDims, device: torch.device, amp: AmpPolicy
+    ):
+        self.cfg, self.dims, self.device, self.amp = cfg, dims, device, amp
+        self.sharded_checkpoint = dims.splits_model
+        # O2: fp32 masters beside a low-precision model, unless FSDP's fp32 shards are them.
+        self.masters_separate = dims.shard == "none"
+        # Autocast may cache its weight casts within a forward, except in a pipeline: its
+        # schedule runs each stage under no_grad first to infer shapes, and weight copies
+        # cached then would serve the training forwards.
+        self.autocast_cache = dims.pp == 1
+        self.head: tp_head.ShardedClassifier | None = None
+        self.plan: pipeline.StagePlan | None = None
+        self.head_params: list[torch.Tensor] = []
+        self.dp_group = None  # whole replicas: the data split over every rank (DDP's group)
+        self.data_parallel = (dist.get_rank(), dims.world) if dims.world > 1 else (0, 1)
+        if dims.splits_model and dims.world > 1:
+            mesh = dims.build(device.type)
+            self.dp, self.tp, self.pp = (MeshAxis.of(mesh, n) for n in ("dp", "tp", "pp"))
+            self.dp_group = self.dp.group
+            self.data_parallel = (self.dp.rank, self.dp.size)
 
     @property
     def param_dtype(self) -> torch.dtype:
+        """O2 with FSDP: the fp32 shards are the masters; FSDP gathers them in low precision."""
+        if self.dims.shard != "none" and self.amp.master_weights:
+            return torch.float32
         return self.amp.param_dtype
 
+    # --- building -----------------------------------------------------------------------------
     def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
         """The modules this rank trains, on the device with their starting values (built by
-        `init` where `model` is on the meta device); with DDP, every replica starts from rank
-        0's weights (DDP broadcasts them as it wraps)."""
-        model = whole(model, init)
+        `init` where `model` is on the meta device). Whole replicas start from rank 0's weights
+        (DDP broadcasts them); a split model is cut on the meta device and each rank's part is
+        filled from rank 0's build."""
+        dims = self.dims
+        if (dims.pp > 1 or dims.tp_head) and not isinstance(model, ImageClassifier):
+            what = "the pipeline (pp)" if dims.pp > 1 else "the split classifier (tp_head)"
+            raise ConfigError(
+                f"{what} cuts the command line's timm classifier; a model of your own splits by "
+                "tp (with tp_plan) or shard"
+            )
         remat(model, self.cfg.step.remat)
-        self.module = model.to(self.device, dtype=self.param_dtype)
-        self.forward = self.wrap(self.module)
-        return [self.module]
+        if not dims.splits_model:
+            self.module = whole(model, init).to(self.device, dtype=self.param_dtype)
+            self.forward = self.wrap(self.module)
+            return [self.module]
+        modules = self.materialize(model, init)
+        self.module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
+        self.forward = self.module
+        return modules
 
     def wrap(self, module: nn.Module) -> nn.Module:
         if self.data_parallel[1] < 2:
             return module
         ids = [self.device.index] if self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=ids, process_group=self.dp_group)
+        return DistributedDataParallel(module, device_ids=ids)
 
-    def sync(self, last: bool):
-        """No DDP all-reduce on the micro-steps before the last of an accumulation."""
-        if self.data_parallel[1] > 1 and not last:
-            return cast(DistributedDataParallel, self.forward).no_sync()  # wrap() made it DDP
-        return contextlib.nullcontext()
+    def split(self, meta: nn.Module) -> list[nn.Module]:
+        """The parallelisms, in order, over the model on the meta device: the pipeline's cut,
+        the blocks' tensor split, the classifier's split, FSDP over the data axis; returns the
+        modules this rank keeps."""
+        dims, mesh = self.dims, self.cfg.mesh
+        parts: list[nn.Module] = [meta]
+        if dims.pp > 1:
+            self.plan = pipeline.cut_vit(cast(ImageClassifier, meta), self.pp, mesh.pp_schedule)
+            parts = list(self.plan.stages)
+        if dims.tp > 1 and mesh.tp > 1:
+            for part in parts:
+                plan = tensor_parallel.resolve_plan(part, mesh.tp_plan, dims.tp)
+                tensor_parallel.apply_tp(part, plan, self.tp.mesh)
+        if dims.tp_head:
+            self.head = tp_head.apply_tp_head(cast(ImageClassifier, meta).model, self.tp)
+            mine = {id(p) for p in self.head.parameters()}
+            self.head_names = {n for n, p in meta.named_parameters() if id(p) in mine}
+        if dims.shard != "none":
+            for part in parts:
+                fsdp.apply_fsdp(part, dims.shard, self.amp, self.dp.mesh)
+        return parts
 
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return soft_target_loss(logits, targets)
+    def materialize(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
+        """Split the model as its meta twin (a model given whole is copied to the meta device
+        and filled from rank 0's copy), allocate this rank's part, fill it from rank 0."""
+        if is_meta(model):
+            build = builder(init)
+        else:
+            given = model
+            build = lambda: given  # noqa: E731
+            model = copy.deepcopy(model).to("meta")
+        model = model.to(self.param_dtype)
+        reference = copy.deepcopy(model)  # the whole model's names and shapes
+        modules = self.split(model)
+        allocate(modules, self.device)
+        parts = {n: t for m in modules for n, t in named_tensors(m)}
+        parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
+        fill_from_rank0(parts, reference, build, self.device)
+        if self.plan is not None:
+            self.schedule = self.pipeline_schedule()
+        return modules
 
+    def pipeline_schedule(self):
+        mesh = self.cfg.mesh
+        scale = mesh.pp_microbatches * self.cfg.step.accum
+
+        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+            # Summed over micro-batches and micro-steps, these make the batch's mean loss (the
+            # schedule's own scaling would also rescale earlier micro-steps' gradients).
+            return soft_target_loss(logits, targets) / scale
+
+        plan = cast(pipeline.StagePlan, self.plan)
+        return pipeline.schedule_stages(
+            plan, self.pp, self.device, mesh.pp_schedule, mesh.pp_microbatches, loss_fn
+        )
+
+    # --- the step -----------------------------------------------------------------------------
     def loss_fn(self, loss_fn: LossFn) -> LossFn:
         """The loss this layout trains: the user's, or for the command line's classifier loss
         the layout's own way of computing it (a split classifier's parallel cross-entropy)."""
+        if (self.dims.pp > 1 or self.dims.tp_head) and loss_fn is not classifier_loss:
+            what = "a pipeline" if self.dims.pp > 1 else "a split classifier"
+            raise ConfigError(f"{what} trains the classifier's soft-target loss only")
         if loss_fn is not classifier_loss:
             return loss_fn
 
@@ -108,229 +199,44 @@ class Replicas:
 
         return layout_loss
 
-    def forward_backward(
-        self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
-    ) -> torch.Tensor:
-        """Accumulate the gradients of the micro-batches; returns this rank's mean loss."""
-
-        @contextlib.contextmanager
-        def scope(last: bool):
-            with self.sync(last), core.autocast():
-                yield
-
-        return accumulate(micro_batches, forward_loss, core, scope)
-
-    def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return all_reduce(loss, mean=True)
-
-    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        return local_norm([p.grad for p in params if p.grad is not None])
-
-    def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
-        """The model as evaluation calls it, and the metric to sum over it: the user's own, or
-        the command line's classifier_metrics, which a split layout computes its own way."""
-        return self.module, metric_fn
-
-    def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
-        return all_reduce(sums, group=self.dp_group)
-
-    def inference(self) -> nn.Module:
-        """The module an eval-mode forward runs (engine.model)."""
-        return self.module
-
-    def attached(self, core: TorchCore) -> None:
-        """Called once the optimizer exists."""
-
-    def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
-        return state
-
-    def classifier(self) -> list[nn.Parameter]:
-        """The classifier's parameters, whose share of the state is reported apart (a model of
-        the user's own has none named)."""
-        if isinstance(self.module, ImageClassifier):
-            return self.module.classifier_parameters()
-        return []
-
-
-class SplitLayout(Replicas):
-    """A layout whose rank keeps part of the model: split on the meta device, only this rank's
-    part allocated, its values broadcast from rank 0's whole model."""
-
-    sharded_checkpoint = True
-
-    def materialize(
-        self, model: nn.Module, init: ModelInit | None, split: Callable[[nn.Module], list]
-    ) -> list:
-        """`split` transforms the model on the meta device into the modules this rank keeps; a
-        model given whole is split as its meta twin, filled from rank 0's copy of it."""
-        if is_meta(model):
-            build = builder(init)
-        else:
-            given = model
-            build = lambda: given  # noqa: E731
-            model = copy.deepcopy(model).to("meta")
-        model = model.to(self.param_dtype)
-        reference = copy.deepcopy(model)  # the whole model's names and shapes
-        modules = split(model)
-        allocate(modules, self.device)
-        parts = {n: t for m in modules for n, t in named_tensors(m)}
-        parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
-        fill_from_rank0(parts, reference, build, self.device)
-        return modules
-
-
-class Shards(SplitLayout):
-    """FSDP2: weights, gradients and AdamW state split over all ranks, one unit per block."""
-
-    masters_separate = False  # the fp32 shards are the masters; FSDP gathers them in bf16
-
-    @property
-    def param_dtype(self) -> torch.dtype:
-        return torch.float32 if self.amp.master_weights else self.amp.param_dtype
-
-    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
-        """Split by FSDP2, each rank keeping its shards: a model on the meta device is split
-        there and filled from rank 0's build; a whole one takes rank 0's values on every rank,
-        as DDP would broadcast them."""
-        remat(model, self.cfg.step.remat)
-        shard, device_type = self.cfg.mesh.shard, self.device.type
-        if is_meta(model):
-
-            def split(meta: nn.Module) -> list[nn.Module]:
-                fsdp.apply_fsdp(meta, shard, self.amp, device_type)
-                return [meta]
-
-            (self.module,) = self.materialize(model, init, split)
-        else:
-            model = model.to(self.device, dtype=self.param_dtype)
-            with torch.no_grad():
-                for tensor in model.state_dict().values():
-                    dist.broadcast(tensor, src=0)
-            fsdp.apply_fsdp(model, shard, self.amp, device_type)
-            self.module = model
-        self.forward = self.module
-        return [self.module]
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.head is not None:
+            return tp_head.soft_target_loss(logits, targets, self.head)
+        return soft_target_loss(logits, targets)
 
     def sync(self, last: bool):
-        """No reduce-scatter before the last micro-step (read in the backward: set, not scoped)."""
-        cast(FSDPModule, self.module).set_requires_gradient_sync(last)  # fully_shard made it one
+        """No gradient reduce on the micro-steps before the last of an accumulation (FSDP reads
+        its switch in the backward: set, not scoped)."""
+        if self.dims.shard != "none":
+            cast(FSDPModule, self.module).set_requires_gradient_sync(last)
+        elif isinstance(self.forward, DistributedDataParallel) and not last:
+            return self.forward.no_sync()
         return contextlib.nullcontext()
-
-    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        return fsdp.full_value(super().grad_norm(params))  # reduced over the shards
-
-
-class SplitHead(SplitLayout):
-    """The classifier's classes split over the ranks of a tp group (dp x tp mesh)."""
-
-    def __init__(self, cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
-        super().__init__(cfg, ctx, device, amp)
-        self.mesh = MeshLayout.build("tp", cfg.mesh.tp_head, device.type)
-        self.data_parallel = (self.mesh.dp_rank, self.mesh.dp)
-        self.dp_group = self.mesh.dp_group  # a tp group trains on the same batch
-
-    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
-        classifier_only(model, "the split classifier (tp_head)")
-        remat(model, self.cfg.step.remat)
-
-        def split(meta: nn.Module) -> list[nn.Module]:
-            self.head = tp_head.apply_tp_head(cast(ImageClassifier, meta).model, self.mesh)
-            mine = {id(p) for p in self.head.parameters()}
-            self.head_names = {n for n, p in meta.named_parameters() if id(p) in mine}
-            return [meta]
-
-        (self.module,) = self.materialize(model, init, split)
-        self.forward = self.wrap(self.module)
-        return [self.module]
-
-    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return tp_head.soft_target_loss(logits, targets, self.head)
-
-    def inference(self) -> nn.Module:
-        raise ConfigError("a split classifier's logits are split over ranks: use evaluate")
-
-    def attached(self, core: TorchCore) -> None:
-        self.head_ids = {id(core.updated(p)) for p in self.head.parameters()}
-
-    def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        return tp_head.grad_norm(params, self.head_ids, self.mesh.group)
-
-    def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
-        only_classifier_metrics(metric_fn, "a split classifier")
-
-        def metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
-            images, labels, mask = batch  # the top-k from each rank's classes, no full logits
-            return named_sums(tp_head.eval_sums(model(images), labels, mask, self.head))
-
-        return self.module, metrics
-
-    def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
-        """The head's rows (and their AdamW moments) as DTensors of the whole classifier."""
-        names = self.head_names
-
-        def view(tensors: dict) -> dict:
-            return {n: self.head.whole_view(t) if n in names else t for n, t in tensors.items()}
-
-        optim = {
-            n: {k: self.head.whole_view(v) if n in names and v.dim() else v for k, v in s.items()}
-            for n, s in state["optim"].items()
-        }
-        views = {"model": view(state["model"]), "optim": optim}
-        if "ema" in state:
-            views["ema"] = view(state["ema"])
-        return {**state, **views}
-
-    def classifier(self) -> list[nn.Parameter]:
-        return list(self.head.parameters())
-
-
-class Pipeline(SplitLayout):
-    """A ViT cut into --pp stages (dp x pp mesh), run by a torch.distributed.pipelining schedule;
-    each stage's gradients are averaged over its dp group by an explicit all-reduce."""
-
-    autocast_cache = False  # see forward_backward
-
-    def __init__(self, cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy):
-        super().__init__(cfg, ctx, device, amp)
-        self.mesh = MeshLayout.build("pp", cfg.mesh.pp, device.type)
-        self.data_parallel = (self.mesh.dp_rank, self.mesh.dp)
-        self.dp_group = self.mesh.dp_group
-
-    def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
-        classifier_only(model, "the pipeline (pp)")
-        mesh = self.cfg.mesh
-
-        def split(meta: nn.Module) -> list[pipeline.ViTStage]:
-            self.plan = pipeline.cut_vit(cast(ImageClassifier, meta), self.mesh, mesh.pp_schedule)
-            return self.plan.stages
-
-        stages = self.materialize(model, init, split)
-        scale = mesh.pp_microbatches * self.cfg.step.accum
-
-        def loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-            # Summed over micro-batches and micro-steps, these make the batch's mean loss (the
-            # schedule's own scaling would also rescale earlier micro-steps' gradients).
-            return soft_target_loss(logits, targets) / scale
-
-        self.schedule = pipeline.schedule_stages(
-            self.plan, self.mesh, self.device, mesh.pp_schedule, mesh.pp_microbatches, loss_fn
-        )
-        self.module = nn.ModuleList(stages)
-        return stages
-
-    def loss_fn(self, loss_fn: LossFn) -> LossFn:
-        if loss_fn is not classifier_loss:
-            raise ConfigError("a pipeline trains the classifier's soft-target loss only")
-        return loss_fn
 
     def forward_backward(
         self, micro_batches: list[Batch], forward_loss: ForwardLoss, core: TorchCore
     ) -> torch.Tensor:
-        """The schedule runs forward and backward; only the last stage sees the loss. Autocast
-        without its weight-cast cache: the schedule's first step runs each stage under no_grad
-        to infer shapes, and weight copies cached then would serve the training forwards."""
+        """Accumulate the gradients of the micro-batches and reduce them over the data axis;
+        returns this rank's mean loss (and extras)."""
+        if self.plan is not None:
+            means = self.pipeline_backward(micro_batches, core)
+        else:
+
+            @contextlib.contextmanager
+            def scope(last: bool):
+                with self.sync(last), core.autocast():
+                    yield
+
+            means = accumulate(micro_batches, forward_loss, core, scope)
+        if self.explicit_reduce:
+            self.reduce_gradients(core)
+        return means
+
+    def pipeline_backward(self, micro_batches: list[Batch], core: TorchCore) -> torch.Tensor:
+        """The schedule runs forward and backward; only the last stage sees the loss."""
+        plan = cast(pipeline.StagePlan, self.plan)
         total = torch.zeros((), device=self.device)
-        first, last = 0 in self.plan.ids, self.plan.count - 1 in self.plan.ids
+        first, last = 0 in plan.ids, plan.count - 1 in plan.ids
         for images, targets, *_ in micro_batches:  # no erasing rectangles: refused with --pp
             losses: list[torch.Tensor] = []
             args = (images,) if first else ()
@@ -341,32 +247,75 @@ class Pipeline(SplitLayout):
                     self.schedule.step(*args)
             if losses:
                 total += torch.stack(losses).sum().detach()
-        self.reduce_gradients(core)
         return total[None]  # no extras: the pipeline's loss is the classifier's
 
+    @property
+    def explicit_reduce(self) -> bool:
+        """Whole replicas reduce in DDP's hooks, shards in FSDP's; a model split by tensors or
+        stages (and not sharded) has its gradients averaged over the data axis after the
+        backward."""
+        return self.dims.dp > 1 and self.dims.shard == "none" and self.dims.splits_model
+
     def reduce_gradients(self, core: TorchCore) -> None:
-        """Average each stage's gradients over its dp group (the replicas of that stage)."""
-        if self.mesh.dp < 2:
-            return
-        grads = [p.grad for p in core.params if p.grad is not None]
-        for work in [dist.all_reduce(g, group=self.mesh.dp_group, async_op=True) for g in grads]:
+        grads = [local(p.grad) for p in core.params if p.grad is not None]
+        for work in [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]:
             work.wait()
-        torch._foreach_div_(grads, self.mesh.dp)
+        torch._foreach_div_(grads, self.dims.dp)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        all_reduce(loss, group=self.mesh.group)  # only the last stage holds the loss
-        return all_reduce(loss, group=self.mesh.dp_group, mean=True)
+        if self.plan is not None:
+            all_reduce(loss, group=self.pp.group)  # only the last stage holds the loss
+        return all_reduce(loss, group=self.dp_group, mean=True)
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
-        """The norm over every stage's gradients (each stage holds its own parameters)."""
-        square = local_norm([p.grad for p in params if p.grad is not None]) ** 2
-        return all_reduce(square, group=self.mesh.group).sqrt()
+        """The global gradient norm: each DTensor's (a shard's, a split layer's) reduced over
+        its mesh, the classifier's rows summed over their ranks, the rest counted once (the same
+        on every rank that holds it), and the stages' summed over the pipeline."""
+        head = {id(p) for p in self.head_params}
+        shared: list[torch.Tensor] = []
+        rows: list[torch.Tensor] = []
+        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            if p.grad is None:
+                continue
+            if isinstance(p.grad, DTensor):
+                by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
+            else:
+                (rows if id(p) in head else shared).append(p.grad)
+        square = torch.zeros((), device=self.device)
+        for grads in by_mesh.values():
+            square = square + fsdp.full_value(torch.nn.utils.get_total_norm(grads)) ** 2
+        if shared:
+            square = square + torch.nn.utils.get_total_norm(shared) ** 2
+        if rows:
+            rows_square = torch.nn.utils.get_total_norm(rows) ** 2
+            square = square + all_reduce(rows_square, group=self.tp.group)
+        if self.plan is not None:
+            square = all_reduce(square, group=self.pp.group)
+        return square.sqrt()
 
+    # --- evaluation and state -----------------------------------------------------------------
     def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
-        only_classifier_metrics(metric_fn, "a pipeline")
+        """The model as evaluation calls it, and the metric to sum over it: the user's own, or
+        the command line's classifier_metrics, which a split classifier or a pipeline computes
+        its own way."""
+        if self.head is None and self.plan is None:
+            return self.module, metric_fn
+        if metric_fn is not classifier_metrics:
+            what = "a pipeline" if self.plan is not None else "a split classifier"
+            raise ConfigError(f"{what} evaluates the classifier's loss, top-1 and top-5 only")
+        if self.head is not None:
+            head = self.head
+
+            def head_metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
+                images, labels, mask = batch  # the top-k from each rank's classes
+                return named_sums(tp_head.eval_sums(model(images), labels, mask, head))
+
+            return self.module, head_metrics
+        plan, dtype = cast(pipeline.StagePlan, self.plan), self.param_dtype
 
         def forward(images: torch.Tensor) -> torch.Tensor | None:
-            return pipeline.forward_only(self.plan, self.mesh, images, self.param_dtype)
+            return pipeline.forward_only(plan, self.pp, images, dtype)
 
         def metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
             images, labels, mask = batch
@@ -377,29 +326,51 @@ class Pipeline(SplitLayout):
 
         return forward, metrics
 
-    def inference(self) -> nn.Module:
-        raise ConfigError("a pipeline's stages are on different ranks: use evaluate")
-
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
-        all_reduce(sums, group=self.mesh.group)  # only the last stage holds the sums
-        return all_reduce(sums, group=self.mesh.dp_group)
+        if self.plan is not None:
+            all_reduce(sums, group=self.pp.group)  # only the last stage holds the sums
+        return all_reduce(sums, group=self.dp_group)
+
+    def inference(self) -> nn.Module:
+        """The module an eval-mode forward runs (engine.model)."""
+        if self.plan is not None:
+            raise ConfigError("a pipeline's stages are on different ranks: use evaluate")
+        if self.head is not None:
+            raise ConfigError("a split classifier's logits are split over ranks: use evaluate")
+        return self.module
+
+    def attached(self, core: TorchCore) -> None:
+        """Called once the optimizer exists: the classifier's rows as the optimizer holds them."""
+        if self.head is not None:
+            self.head_params = [core.updated(p) for p in self.head.parameters()]
+
+    def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The split classifier's rows (and their AdamW moments) as DTensors of the whole
+        classifier; every other split tensor is a DTensor already, or a stage's whole one."""
+        if self.head is None:
+            return state
+        names, head = self.head_names, self.head
+
+        def view(tensors: dict) -> dict:
+            return {n: head.whole_view(t) if n in names else t for n, t in tensors.items()}
+
+        optim = {
+            n: {k: head.whole_view(v) if n in names and v.dim() else v for k, v in s.items()}
+            for n, s in state["optim"].items()
+        }
+        views = {"model": view(state["model"]), "optim": optim}
+        if "ema" in state:
+            views["ema"] = view(state["ema"])
+        return {**state, **views}
 
     def classifier(self) -> list[nn.Parameter]:
+        """The classifier's parameters, whose share of the state is reported apart (a model of
+        the user's own has none named; a pipeline's stages report none)."""
+        if self.head is not None:
+            return list(self.head.parameters())
+        if isinstance(self.module, ImageClassifier):
+            return self.module.classifier_parameters()
         return []
-
-
-def only_classifier_metrics(metric_fn: MetricFn, layout: str) -> None:
-    if metric_fn is not classifier_metrics:
-        raise ConfigError(f"{layout} evaluates the classifier's loss, top-1 and top-5 only")
-
-
-def classifier_only(model: nn.Module, layout: str) -> None:
-    """The split layouts cut accel's ImageClassifier (a timm model behind its normalisation)."""
-    if not isinstance(model, ImageClassifier):
-        raise ConfigError(
-            f"{layout} splits the command line's timm classifier; a model of your own trains "
-            "replicated or sharded (shard=)"
-        )
 
 
 def remat(model: nn.Module, enabled: bool) -> None:
@@ -412,16 +383,3 @@ def remat(model: nn.Module, enabled: bool) -> None:
             f"remat: {type(model).__name__} has no set_grad_checkpointing (timm models have)"
         )
     switch(True)
-
-
-def make_layout(
-    cfg: BackendConfig, ctx: DistContext, device: torch.device, amp: AmpPolicy, shard: str
-) -> Replicas:
-    mesh = cfg.mesh
-    if mesh.pp > 1:
-        return Pipeline(cfg, ctx, device, amp)
-    if mesh.tp_head > 1:
-        return SplitHead(cfg, ctx, device, amp)
-    if shard != "none":
-        return Shards(cfg, ctx, device, amp)
-    return Replicas(cfg, ctx, device, amp)

@@ -65,7 +65,15 @@ class ParallelConfig:
         "gathered through the step: ZeRO-2's traffic), none (replicas)",
         choices=SHARD_MODES,
     )
-    tp_head: int = option(1, "split the classifier's classes over N ranks: a dp x tp mesh", min=1)
+    tp: int = option(
+        1,
+        "split each transformer block's attention and MLP over N ranks (Megatron's columns and "
+        "rows): a dp x tp mesh",
+        min=1,
+    )
+    tp_head: int = option(
+        1, "split the classifier's classes over N ranks (the --tp ranks where given)", min=1
+    )
     pp: int = option(1, "cut a ViT into N pipeline stages: a dp x pp mesh", min=1)
     pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
     pp_microbatches: int = option(4, "micro-batches a batch streams through the pipeline in", min=1)
@@ -245,7 +253,7 @@ def data_replicas(cfg: RunConfig) -> int:
     """Devices the data is split over: every node's processes or devices, over the
     model-parallel size (the ranks of a tp or pp group train on the same batch)."""
     par = cfg.parallel
-    return par.nnodes * par.nproc_per_node // max(par.tp_head, par.pp)
+    return par.nnodes * par.nproc_per_node // (max(par.tp, par.tp_head) * par.pp)
 
 
 def global_batch(cfg: RunConfig) -> int:
@@ -298,16 +306,22 @@ def check_combinations(cfg: RunConfig) -> None:
         raise ConfigError("give --steps or --epochs, not both")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
         raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
-    if par.tp_head > 1 and par.pp > 1:
-        raise ConfigError("--tp_head and --pp cannot be combined")
-    for flag, size in (("--tp_head", par.tp_head), ("--pp", par.pp)):
-        if size > 1 and par.shard != "none":
-            raise ConfigError(f"{flag} and --shard cannot be combined")
-        if size > 1 and procs % size:
-            where = f" x --nnodes {par.nnodes}" if par.nnodes > 1 else ""
-            raise ConfigError(
-                f"--nproc_per_node {par.nproc_per_node}{where} is not divisible by {flag} {size}"
-            )
+    if par.tp > 1 and par.tp_head > 1 and par.tp != par.tp_head:
+        raise ConfigError(
+            f"--tp {par.tp} and --tp_head {par.tp_head}: the classifier splits over the "
+            "tensor-parallel ranks; give the same size"
+        )
+    tp = max(par.tp, par.tp_head)
+    split = tp * par.pp
+    if split > 1 and procs % split:
+        where = f" x --nnodes {par.nnodes}" if par.nnodes > 1 else ""
+        tp_flag = "--tp" if par.tp > 1 else "--tp_head"
+        sizes = " x ".join(
+            f"{flag} {size}" for flag, size in ((tp_flag, tp), ("--pp", par.pp)) if size > 1
+        )
+        raise ConfigError(
+            f"--nproc_per_node {par.nproc_per_node}{where} is not divisible by {sizes}"
+        )
     if par.nnodes > 1 and not (par.master_addr or par.rdzv_endpoint):
         raise ConfigError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
     if par.nnodes > 1 and not cfg.run_name:

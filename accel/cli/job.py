@@ -128,6 +128,7 @@ def backend_config(cfg: RunConfig) -> BackendConfig:
     mesh = MeshConfig(
         devices=par.nproc_per_node,
         shard=par.shard,  # type: ignore[arg-type]
+        tp=par.tp,
         tp_head=par.tp_head,
         pp=par.pp,
         pp_schedule=par.pp_schedule,  # type: ignore[arg-type]

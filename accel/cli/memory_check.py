@@ -31,14 +31,17 @@ def process_state_bytes(cfg: RunConfig, replicas: str) -> tuple[int, int]:
     head = sum(p.numel() for p in model.classifier_parameters())
     par, per = cfg.parallel, bytes_per_parameter(cfg.amp_level)
     procs = par.nproc_per_node
-    if par.pp > 1:
-        held = params / par.pp
+    tp = max(par.tp, par.tp_head)
+    dp = max(1, par.nnodes * procs // (tp * par.pp))
+    # Each split divides what a rank holds (the tensor split's replicated norms and embeddings
+    # are left out: this is the least a rank can hold, and only that is refused).
+    held = params / par.pp
+    if par.tp > 1:
+        held /= par.tp
     elif par.tp_head > 1:
-        held = params - head + head / par.tp_head
-    elif par.shard == "full" and procs > 1:
-        held = params / procs
-    else:
-        held = params
+        held = held - head + head / par.tp_head
+    if par.shard == "full" and dp > 1:
+        held /= dp
     if replicas == "devices" and par.shard == "none":
         return int(held * per * procs), 1  # one process drives every device's replica
     return int(held * per), procs

@@ -26,8 +26,9 @@ from accel.data.folder import count_images
 from accel.data.loaders import folder_num_classes
 from accel.models.factory import check_input_size, check_model_name, create_model, meta_model
 from accel.models.pretrained import fit, read_state_dict, source_of
-from accel.parallel.mesh import describe_mesh
+from accel.parallel.mesh import ParallelDims
 from accel.parallel.pipeline import is_vit, stages_per_rank
+from accel.parallel.tensor_parallel import resolve_plan
 
 
 def check_data(cfg: RunConfig) -> int:
@@ -57,10 +58,14 @@ def check_model(cfg: RunConfig) -> None:
     check_model_name(cfg.model.name)
     check_input_size(cfg.model)
     par = cfg.parallel
-    if par.pp < 2:
+    if par.pp < 2 and par.tp < 2:
         return
     with torch.device("meta"):
         vit = create_model(cfg.model).model
+    if par.tp > 1:  # the blocks split by module type: refused here if they cannot be
+        resolve_plan(vit, None, par.tp)
+    if par.pp < 2:
+        return
     if not is_vit(vit):
         raise ConfigError(f"--pp cuts ViT-style models by blocks; {cfg.model.name} is not one")
     stages = par.pp * stages_per_rank(par.pp_schedule)
@@ -71,14 +76,17 @@ def check_model(cfg: RunConfig) -> None:
         )
 
 
-def mesh_notes(cfg: RunConfig) -> list[str]:
+def mesh_notes(cfg: RunConfig, replicas: str) -> list[str]:
     """The model-parallel mesh, and the padding of a split classifier."""
     par = cfg.parallel
-    line = describe_mesh(par.nnodes * par.nproc_per_node, par.tp_head, par.pp)
-    if line is None:
+    dims = ParallelDims.of(backend_config(cfg).mesh, par.nnodes * par.nproc_per_node)
+    if dims.tp == 1 and dims.pp == 1:
         return []
+    line = dims.describe("processes" if replicas == "processes" else "devices")
     if par.pp > 1:
-        return [f"{line}, {par.pp_schedule} schedule, {par.pp_microbatches} micro-batches"]
+        line += f", {par.pp_schedule} schedule, {par.pp_microbatches} micro-batches"
+    if par.tp_head < 2:
+        return [line]
     classes, size = cast(int, cfg.model.num_classes), par.tp_head  # settled by resolve()
     padded = -(-classes // size) * size
     if padded == classes:
@@ -219,4 +227,4 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
     cfg = dataclasses.replace(cfg, run_name=resolve_run_name(cfg))
     check_free(cfg.run_dir())
     check_resume(cfg)
-    return cfg, module, describe(cfg) + notes + mesh_notes(cfg)
+    return cfg, module, describe(cfg) + notes + mesh_notes(cfg, module.SUPPORTS.replicas)

@@ -1,7 +1,8 @@
 """Ways to spread a model over devices beyond data-parallel replicas, as functions applied to a
-model: `apply_fsdp` (fsdp.py), `apply_tp_head` (tp_head.py), `cut_vit` and `schedule_stages`
-(pipeline.py), the process mesh (mesh.py), and building only a rank's part (materialize.py).
-Nothing here imports a backend."""
+model in order over one mesh description (mesh.py's `ParallelDims`): `cut_vit` and
+`schedule_stages` (pipeline.py), `apply_tp` and the plans of what splits (tensor_parallel.py),
+`apply_tp_head` (tp_head.py), `apply_fsdp` (fsdp.py), and building only a rank's part
+(materialize.py). Nothing here imports a backend."""
 
 from __future__ import annotations
 

@@ -7,9 +7,8 @@ import warnings
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -38,14 +37,14 @@ def mixed_precision(amp: AmpPolicy) -> MixedPrecisionPolicy:
     return MixedPrecisionPolicy()
 
 
-def apply_fsdp(module: nn.Module, mode: str, amp: AmpPolicy, device_type: str) -> None:
-    """fully_shard each transformer block of the timm model inside `module` (an
-    ImageClassifier), then the root (the embeddings, norm and head), over all ranks.
-    `grad_op` keeps each unit's gathered weights from the forward to the backward (ZeRO-2's
-    memory for one all-gather less a step); `full` frees them after the forward."""
+def apply_fsdp(module: nn.Module, mode: str, amp: AmpPolicy, mesh: DeviceMesh) -> None:
+    """fully_shard each transformer block of the model (inside accel's ImageClassifier where it
+    is one), then the root (the embeddings, norm and head), over the data axis `mesh` (the
+    layout's; blocks split by tensors first are sharded in two dimensions). `grad_op` keeps each
+    unit's gathered weights from the forward to the backward (ZeRO-2's memory for one all-gather
+    less a step); `full` frees them after the forward."""
     # An explicit mesh: FSDP's default asks torch for "the" accelerator, which fails in a
     # process where torch_xla has registered itself without one.
-    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     blocks = transformer_blocks(module.model if isinstance(module, ImageClassifier) else module)
     kwargs: dict[str, Any] = {
         "mesh": mesh,

@@ -1,49 +1,93 @@
-"""The process meshes of the model-parallel modes: data parallel times one model-parallel
-dimension (tp for a split classifier, pp for a pipeline), the model-parallel one innermost so its
-ranks are neighbours."""
+"""The parallel layout as one description: `ParallelDims`, data groups x tensor-parallel ranks x
+pipeline stages, and the process mesh over it (pp outermost, tp innermost so that a tensor-parallel
+group's ranks are neighbours). Each parallelism is a function of the model and this mesh
+(accel/parallel's `apply_tp`, `apply_tp_head`, `apply_fsdp`, `cut_vit`); the reductions of a step
+(the loss mean, the gradient reduce, the gradient norm) follow from its axes.
+
+    from accel.config import MeshConfig
+    from accel.parallel.mesh import ParallelDims
+
+    dims = ParallelDims.of(MeshConfig(tp=2, pp=2), world=8)
+    assert (dims.dp, dims.tp, dims.pp) == (2, 2, 2)
+    assert dims.describe("processes") == "mesh dp 2 x tp 2 x pp 2 (8 processes)"
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from accel.config import ConfigError, MeshConfig, ShardMode
 
 
 @dataclass(frozen=True)
-class MeshLayout:
-    name: str  # the model-parallel dimension: "tp" or "pp"
-    size: int  # ranks of one model-parallel group
-    dp: int  # model-parallel groups, splitting the data
-    rank: int  # this rank's place in its model-parallel group
-    dp_rank: int
-    group: Any  # the model-parallel process group
-    dp_group: Any  # the ranks holding the same part of the model
-    ranks: list[int]  # global ranks of this model-parallel group, in order
-    mesh: DeviceMesh  # the 1-D mesh of the model-parallel group
+class ParallelDims:
+    """dp data groups (whole replicas, or with `shard` FSDP's shards of one another), each of
+    tp ranks splitting every block by tensors (and the classifier by class where `tp_head`),
+    each of those a pipeline of pp stages."""
+
+    dp: int = 1
+    shard: ShardMode = "none"
+    tp: int = 1
+    pp: int = 1
+    tp_head: bool = False
 
     @classmethod
-    def build(cls, name: str, size: int, device_type: str) -> MeshLayout:
-        dp = dist.get_world_size() // size
-        mesh = init_device_mesh(device_type, (dp, size), mesh_dim_names=("dp", name))
+    def of(cls, mesh: MeshConfig, world: int) -> ParallelDims:
+        """The layout of `world` ranks (processes or devices) the config asks for; refused in one
+        line where the sizes do not fit together."""
+        if mesh.tp > 1 and mesh.tp_head > 1 and mesh.tp != mesh.tp_head:
+            raise ConfigError(
+                f"--tp {mesh.tp} and --tp_head {mesh.tp_head}: the classifier splits over the "
+                "tensor-parallel ranks; give the same size"
+            )
+        tp = max(mesh.tp, mesh.tp_head)
+        if world % (tp * mesh.pp):
+            raise ConfigError(
+                f"{world} ranks are not divisible by --tp {tp} x --pp {mesh.pp} (= {tp * mesh.pp})"
+            )
+        dp = world // (tp * mesh.pp)
+        shard: ShardMode = mesh.shard if dp > 1 else "none"
+        return cls(dp, shard, tp, mesh.pp, mesh.tp_head > 1)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    @property
+    def splits_model(self) -> bool:
+        """Whether a rank holds only part of the model (and a checkpoint is written in parts)."""
+        return self.tp > 1 or self.pp > 1 or self.shard != "none"
+
+    def describe(self, ranks: str) -> str:
+        """One line for the launcher: the mesh's axes and how many ranks it spans."""
+        axes = [("fsdp" if self.shard != "none" else "dp", self.dp)]
+        axes += [(name, size) for name, size in (("tp", self.tp), ("pp", self.pp)) if size > 1]
+        return "mesh " + " x ".join(f"{n} {s}" for n, s in axes) + f" ({self.world} {ranks})"
+
+    def build(self, device_type: str) -> Any:
+        """The torch DeviceMesh of these dims over the process group: axes pp, dp, tp."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        shape = (self.pp, self.dp, self.tp)
+        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+
+
+@dataclass(frozen=True)
+class MeshAxis:
+    """One axis of the process mesh as this rank sees it."""
+
+    name: str
+    size: int  # ranks along it
+    rank: int  # this rank's place along it
+    group: Any  # the process group of the ranks along it with this rank
+    ranks: list[int]  # their global ranks, in order
+    mesh: Any  # the 1-D DeviceMesh of that group
+
+    @classmethod
+    def of(cls, mesh: Any, name: str) -> MeshAxis:
+        import torch.distributed as dist
+
         group = mesh.get_group(name)
-        return cls(
-            name,
-            size,
-            dp,
-            mesh.get_local_rank(name),
-            mesh.get_local_rank("dp"),
-            group,
-            mesh.get_group("dp"),
-            dist.get_process_group_ranks(group),
-            mesh[name],
-        )
-
-
-def describe_mesh(procs: int, tp_head: int, pp: int) -> str | None:
-    """The launcher's line about a model-parallel mesh (None without one)."""
-    kind, size = ("tp", tp_head) if tp_head > 1 else ("pp", pp) if pp > 1 else ("", 1)
-    if not kind:
-        return None
-    return f"mesh dp {procs // size} x {kind} {size} ({procs} processes)"
+        ranks = dist.get_process_group_ranks(group)
+        return cls(name, len(ranks), mesh.get_local_rank(name), group, ranks, mesh[name])

@@ -25,7 +25,7 @@ from torch.distributed.pipelining import (
 )
 
 from accel.models.factory import ImageClassifier
-from accel.parallel.mesh import MeshLayout
+from accel.parallel.mesh import MeshAxis
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
 EMBEDDINGS = ("patch_embed", "cls_token", "reg_token", "pos_embed", "norm_pre")
@@ -97,7 +97,7 @@ class StagePlan:
     activation: tuple[int, int]  # (tokens, width) passed between stages
 
 
-def cut_vit(model: ImageClassifier, mesh: MeshLayout, schedule: str) -> StagePlan:
+def cut_vit(model: ImageClassifier, mesh: MeshAxis, schedule: str) -> StagePlan:
     """This rank's stages: the pipeline's stage k runs on pp rank k % size (round robin, as
     the interleaved schedule expects)."""
     count = mesh.size * stages_per_rank(schedule)
@@ -129,7 +129,7 @@ if hasattr(PipelineStage, "_get_init_p2p_neighbors_ops"):  # hence set here, not
 
 def schedule_stages(
     plan: StagePlan,
-    mesh: MeshLayout,
+    mesh: MeshAxis,
     device: torch.device,
     schedule: str,
     microbatches: int,
@@ -147,7 +147,7 @@ def schedule_stages(
 
 
 def forward_only(
-    plan: StagePlan, mesh: MeshLayout, images: torch.Tensor, dtype: torch.dtype
+    plan: StagePlan, mesh: MeshAxis, images: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor | None:
     """Evaluation through the stages in turn, activations sent point to point: the last stage's
     output on the rank that holds it, None elsewhere."""

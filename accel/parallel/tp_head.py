@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
 from accel.losses import masked_sums
-from accel.parallel.mesh import MeshLayout
+from accel.parallel.mesh import MeshAxis
 
 
 class _CopyToTensorParallel(torch.autograd.Function):
@@ -42,7 +42,7 @@ class ShardedClassifier(nn.Module):
     """Rows [start, start + per) of a (classes x features) classifier, the class count padded to
     a multiple of the tp size; padded rows give a logit no softmax can pick."""
 
-    def __init__(self, full: nn.Linear, layout: MeshLayout):
+    def __init__(self, full: nn.Linear, layout: MeshAxis):
         super().__init__()
         self.classes = full.out_features
         self.per = -(-self.classes // layout.size)
@@ -85,7 +85,7 @@ class ShardedClassifier(nn.Module):
         return nn.functional.pad(local, (0, self.per - self.valid))
 
 
-def apply_tp_head(model: nn.Module, layout: MeshLayout) -> ShardedClassifier:
+def apply_tp_head(model: nn.Module, layout: MeshAxis) -> ShardedClassifier:
     """Replace the timm model's classifier (get_classifier(): ViT's head, Swin's head.fc) by
     this rank's shard of it (on the meta device, before the rank's part is allocated)."""
     full = cast(Any, model).get_classifier()  # timm's method, which nn.Module does not declare

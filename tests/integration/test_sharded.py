@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from accel.amp import amp_policy
 from accel.cli.runs import in_use
@@ -171,5 +172,5 @@ def test_blocks_are_found_per_model_and_a_model_without_them_is_wrapped_whole(on
     flat = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
     assert fsdp.transformer_blocks(flat) == []
     with pytest.warns(UserWarning, match="no blocks to wrap one by one; sharded as one unit"):
-        fsdp.apply_fsdp(flat, "full", amp_policy("O0"), "cpu")
+        fsdp.apply_fsdp(flat, "full", amp_policy("O0"), init_device_mesh("cpu", (1,)))
     assert type(flat).__name__.startswith("FSDP")

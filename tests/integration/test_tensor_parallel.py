@@ -13,9 +13,10 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from accel.backends.torch_core import local_bytes
+from accel.config import MeshConfig
 from accel.distributed import destroy_process_group
 from accel.parallel import tp_head
-from accel.parallel.mesh import MeshLayout
+from accel.parallel.mesh import MeshAxis, ParallelDims
 from tests.helpers import checkpoint_tensors, train, train_cli
 from tests.shared_runs import TP_JOB
 
@@ -125,7 +126,8 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
         torch.manual_seed(0)
         classes, features, batch = 1_000_000, 192, 4
         model = Classifier(features, classes)
-        layout = MeshLayout.build("tp", 2, "cpu")
+        mesh = ParallelDims.of(MeshConfig(tp_head=2), world=2).build("cpu")
+        layout = MeshAxis.of(mesh, "tp")
         full_bytes = local_bytes(list(model.head.parameters()))
         head = tp_head.apply_tp_head(model, layout)
         targets = torch.full((batch, classes), 0.1 / classes)

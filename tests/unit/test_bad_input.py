@@ -59,8 +59,33 @@ CASES = [
     (["--data", "/nonexistent/imagenet"], {}, ["dataset folder not found"]),
     (["--data_device", "gpu"], {}, ["--data_device gpu"]),
     (["--nproc_per_node", "3", "--tp_head", "2"], {}, ["--nproc_per_node 3", "--tp_head 2"]),
-    (["--nproc_per_node", "2", "--tp_head", "2", "--shard", "full"], {}, ["cannot be combined"]),
-    (["--nproc_per_node", "2", "--tp_head", "2", "--pp", "2"], {}, ["cannot be combined"]),
+    (
+        ["--nproc_per_node", "2", "--tp_head", "2", "--shard", "full"],
+        {},
+        ["--tp_head and --shard cannot be combined on the eager backend"],
+    ),
+    (
+        ["--nproc_per_node", "4", "--tp_head", "2", "--pp", "2"],
+        {},
+        ["--pp and --tp_head cannot be combined on the eager backend"],
+    ),
+    (
+        ["--nproc_per_node", "4", "--tp", "2", "--pp", "2", "--shard", "full"],
+        {},
+        ["--pp and --shard cannot be combined on the eager backend"],
+    ),
+    (["--nproc_per_node", "3", "--tp", "2"], {}, ["--nproc_per_node 3", "divisible by --tp 2"]),
+    (
+        ["--nproc_per_node", "4", "--tp", "2", "--pp", "4"],
+        {},
+        ["--nproc_per_node 4", "divisible by --tp 2 x --pp 4"],
+    ),
+    (["--nproc_per_node", "4", "--tp", "2", "--tp_head", "4"], {}, ["--tp 2", "same size"]),
+    (
+        ["--nproc_per_node", "3", "--tp", "3"],
+        {},
+        ["'blocks.0.attn.proj' has 64 input features, not divisible by 3"],
+    ),
     (["--nproc_per_node", "2", "--model", "swin_micro", "--pp", "2"], {}, ["--pp cuts"]),
     (["--nproc_per_node", "4", "--pp", "4"], {}, ["4 stages", "vit_micro has 2 blocks"]),
     (
