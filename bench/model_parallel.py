@@ -6,11 +6,16 @@
   had after its imports), and the step time.
 - Pipeline: ViT-L/16 at 32 px in 1, 2 and 4 stages (1F1B, 8 micro-batches): each rank's peak
   resident memory and the step time.
+- Composed (`--hybrid`): ViT-L/16 at 32 px on 4 processes at tp 2 x pp 2, tp 4, fsdp 2 x tp 2
+  and pp 4, against one process: each rank's peak resident memory, what it grew by over its
+  imports, the bytes of weights, gradients and AdamW state it holds, and the worst rank's ratio
+  to the one process.
 
 Written to bench/results/<tag>.json with the device and versions.
 
     python bench/model_parallel.py
     python bench/model_parallel.py --pp_img_size 0 --pp_batch 64 --tag h100x4-pipeline  # GPUs
+    python bench/model_parallel.py --only hybrid --tag cpu-hybrid-parallel
 """
 
 from __future__ import annotations
@@ -78,6 +83,52 @@ def pp_rows(args: argparse.Namespace, out: Path) -> list[dict]:
     return rows
 
 
+FOUR = ("--nproc_per_node", "4")
+HYBRID = {  # layout: (its options, the data groups the global batch is split over)
+    "one process": ((), 1),
+    "tp 2 x pp 2": ((*FOUR, "--tp", "2", "--pp", "2", "--pp_microbatches", "8"), 1),
+    "tp 4": ((*FOUR, "--tp", "4"), 1),
+    "fsdp 2 x tp 2": ((*FOUR, "--tp", "2", "--shard", "full"), 2),
+    "pp 4": ((*FOUR, "--pp", "4", "--pp_microbatches", "8"), 1),
+}
+
+
+def hybrid_rows(args: argparse.Namespace, out: Path) -> list[dict]:
+    """Each composed layout of ViT-L/16 on 4 processes against one process (same global
+    batch): per rank, its peak memory and the training state it holds."""
+    rows: list[dict] = []
+    one: dict = {}
+    for name, (extra, data) in HYBRID.items():
+        flags = [
+            *("--model", args.pp_model, "--batch_size", str(args.pp_batch // data)),
+            *("--steps", str(args.steps), "--workers", "0", "--no-eval"),
+            *("--log_every", str(args.steps), "--num_classes", "10"),
+            *("--synthetic_length", str(4 * args.pp_batch)),
+            *(("--img_size", str(args.pp_img_size)) if args.pp_img_size else ()),
+            *extra,
+        ]
+        summary = launch_summary(flags, out, name.replace(" ", ""))
+        row: dict = {"layout": name, "global_batch": args.pp_batch}
+        if summary is not None:
+            state = summary["state_bytes"]
+            held = sum(state.get(k, 0) for k in ("params", "grads", "optimizer"))
+            row.update(memory(summary), state_mib_rank0=round(held / 2**20))
+            row["step_ms"] = step_ms(summary)
+            if not extra:
+                one = row
+            elif one:
+                row["worst_peak_vs_one"] = round(
+                    max(row["peak_host_mib"]) / one["peak_host_mib"][0], 3
+                )
+                row["worst_grown_vs_one"] = round(
+                    max(row["grown_host_mib"]) / one["grown_host_mib"][0], 3
+                )
+                row["state_vs_one"] = round(row["state_mib_rank0"] / one["state_mib_rank0"], 3)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--tp_model", default="vit_micro_wide", help="width 384, two blocks")
@@ -90,16 +141,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stages", default="1,2,4")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--tag", default="cpu-model-parallel")
+    p.add_argument("--only", choices=("all", "hybrid"), default="all")
     args = p.parse_args(argv)
+    results: dict = {}
     with tempfile.TemporaryDirectory() as tmp:
-        tp = tp_rows(args, Path(tmp) / "tp")
-        pp = pp_rows(args, Path(tmp) / "pp")
+        if args.only == "all":
+            results["tp_head"] = tp_rows(args, Path(tmp) / "tp")
+            results["pipeline"] = pp_rows(args, Path(tmp) / "pp")
+        results["hybrid"] = hybrid_rows(args, Path(tmp) / "hybrid")
     note = (
         "one run each; step_ms: global batch / steady img/s (warm-up steps excluded); "
         "peak_host_mib: each rank's peak resident memory (construction, steps and the final "
-        "checkpoint); grown_host_mib: that peak less the memory the rank had after its imports"
+        "checkpoint); grown_host_mib: that peak less the memory the rank had after its imports; "
+        "state_mib_rank0: the weights, gradients and AdamW state rank 0 holds (its parts where "
+        "split)"
     )
-    write_result(args.tag, {"settings": vars(args), "note": note, "tp_head": tp, "pipeline": pp})
+    write_result(args.tag, {"settings": vars(args), "note": note, **results})
     return 0
 
 

@@ -2,9 +2,12 @@
 
 The training step is one pure function under jax.jit: forward, soft-target loss, JAX autodiff,
 an explicit gradient mean over the devices of a 1-D 'data' mesh (shard_map + pmean, the same
-contract as the xla backend's all-reduce), then optax AdamW. Weights and optimizer state are
-donated. The learning rate comes in as an argument each step, read from the same timm schedule as
-the torch backends, so it never triggers a recompile.
+contract as the xla backend's all-reduce), then optax AdamW. With tensor parallelism (--tp) the
+mesh is 2-D, ('data', 'model'): the plan's linear layers split their weights over 'model' (and
+with --shard every weight over 'data' too), the step is one program over the global batch, and
+XLA's SPMD partitioner adds the collectives. Weights and optimizer state are donated. The
+learning rate comes in as an argument each step, read from the same timm schedule as the torch
+backends, so it never triggers a recompile.
 
 One process drives its local devices (`--nproc_per_node` of them). Multi-host: start one process
 per host with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set; the backend calls
@@ -44,11 +47,14 @@ from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 from accel.parallel import effective_shard
 from accel.parallel.materialize import whole
+from accel.parallel.mesh import ParallelDims
+from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.versions import installed
 
 INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
 SUPPORTS = Supports(
     shard=("none", "full", "grad_op"),
+    tp=True,
     remat=True,
     data_device_gpu=True,
     replicas="devices",
@@ -302,15 +308,25 @@ class JaxBackend:
         self.monitor = CompileMonitor.get()
         self.compile_events_at_start = self.monitor.snapshot()
         devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
-        self.local_replicas = cfg.mesh.devices
-        if self.local_replicas > jax.local_device_count():
+        if cfg.mesh.devices > jax.local_device_count():
             raise ConfigError(
-                f"--nproc_per_node {self.local_replicas} exceeds the {jax.local_device_count()} "
+                f"--nproc_per_node {cfg.mesh.devices} exceeds the {jax.local_device_count()} "
                 "local JAX devices (on CPU: XLA_FLAGS=--xla_force_host_platform_device_count=N)"
             )
-        self.mesh = Mesh(np.array(devices[: self.local_replicas * jax.process_count()]), ("data",))
+        used = np.array(devices[: cfg.mesh.devices * jax.process_count()])
+        self.dims = ParallelDims.of(cfg.mesh, used.size)
+        if self.dims.tp > 1 and jax.process_count() > 1:
+            raise ConfigError("--tp on jax splits over one process's devices, not across hosts")
+        if self.dims.tp > 1:
+            # 'model' innermost: a tensor-parallel group's devices are neighbours.
+            grid = used.reshape(self.dims.dp, self.dims.tp)
+            self.mesh = Mesh(grid, ("data", "model"))
+        else:
+            self.mesh = Mesh(used, ("data",))
+        # Data replicas this process feeds: a tensor-parallel group reads one batch.
+        self.local_replicas = cfg.mesh.devices // self.dims.tp
         self.replicated = NamedSharding(self.mesh, P())
-        self.shard = effective_shard(cfg.mesh.shard, self.mesh.size)
+        self.shard = effective_shard(cfg.mesh.shard, self.dims.dp)
         if self.shard != "none" and jax.process_count() > 1:
             raise ConfigError("--shard on jax shards over one process's devices, not across hosts")
         with quiet_imports(), removed_ops():  # torchax registers its ops here
@@ -347,10 +363,22 @@ class JaxBackend:
         consts.update({n: to_jax(b, store) for n, b in model.named_buffers()})
         consts = {n: v for n, v in consts.items() if n not in trained}
         self.param_names = [n for n, _ in model.named_parameters() if n in trained]
-        self.param_shardings = self.shardings(params, self.shard == "full")
-        self.opt_shardings = self.shardings(
-            jax.eval_shape(self.optimizer.init, params), self.shard != "none"
-        )
+        state_shapes = jax.eval_shape(self.optimizer.init, params)
+        if self.dims.tp > 1:
+            plan = resolve_plan(model, self.cfg.mesh.tp_plan, self.dims.tp)
+            splits = weight_splits(model, plan)
+            self.param_shardings = self.tp_shardings(params, splits, self.shard == "full")
+            # grad_op: the weights split over 'model' only, their gradients and moments over
+            # 'data' too.
+            self.grad_shardings = self.tp_shardings(params, splits, self.shard != "none")
+            self.opt_shardings = self.state_shardings(state_shapes, params, self.grad_shardings)
+            # While the step computes: split over 'model' only.
+            self.weight_shardings: dict | None = self.tp_shardings(params, splits, False)
+        else:
+            self.param_shardings = self.shardings(params, self.shard == "full")
+            self.grad_shardings = self.param_shardings
+            self.weight_shardings = None
+            self.opt_shardings = self.shardings(state_shapes, self.shard != "none")
         self.params = jax.device_put(params, self.param_shardings)
         self.buffers = jax.device_put(consts, self.replicated)
         self.count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
@@ -381,6 +409,39 @@ class JaxBackend:
             return self.replicated
 
         return jax.tree.map(sharding, tree)
+
+    def tp_shardings(self, params: dict, splits: dict[str, int], data: bool) -> dict:
+        """Per weight: its tensor-parallel split (`splits`: name -> axis) over the `model` mesh
+        axis, and where `data`, the first other axis the `data` axis's size divides split over
+        `data` (FSDP across the data groups: a colwise weight [out, in] is P('model', 'data'),
+        a rowwise one P('data', 'model')); an axis nothing divides stays whole."""
+        size = self.mesh.shape["data"]
+
+        def sharding(name: str, leaf) -> NamedSharding:
+            axes: list[str | None] = [None] * leaf.ndim
+            if name in splits:
+                axes[splits[name]] = "model"
+            if data:
+                free = [i for i, n in enumerate(leaf.shape) if axes[i] is None and n % size == 0]
+                if free:
+                    axes[free[0]] = "data"
+            return NamedSharding(self.mesh, P(*axes))
+
+        return {name: sharding(name, leaf) for name, leaf in params.items()}
+
+    def state_shardings(self, state: Any, params: dict, by_name: dict[str, NamedSharding]) -> Any:
+        """The optimizer state laid out as its weights: a leaf under a weight's name (optax
+        keeps moments in dicts keyed as the weights), of that weight's shape, takes its
+        sharding; the rest (step counts) is replicated."""
+
+        def sharding(path: tuple, leaf) -> NamedSharding:
+            last = path[-1] if path else None
+            name = last.key if isinstance(last, jax.tree_util.DictKey) else None
+            if name in by_name and leaf.shape == params[name].shape:
+                return by_name[name]
+            return self.replicated
+
+        return jax.tree_util.tree_map_with_path(sharding, state)
 
     def objective(self, fn: Callable) -> Callable:
         """fn(model, batch) as a JAX function of (weights, constants, *batch)."""
@@ -424,7 +485,8 @@ class JaxBackend:
             clip_grad=self.cfg.step.clip_grad,
             seed=self.cfg.step.seed,
             remat=self.cfg.step.remat,
-            grad_shardings=self.param_shardings,
+            grad_shardings=self.grad_shardings,
+            weight_shardings=self.weight_shardings,
         )
         state_shardings = (self.param_shardings, self.opt_shardings, self.ema_shardings())
         return jax.jit(
@@ -604,7 +666,7 @@ class JaxBackend:
             compile_phases_s=spent,
             persistent_cache=True,
             persistent_cache_hits=hits,
-            devices=self.local_replicas * jax.process_count(),
+            devices=self.mesh.size,
             shard=self.shard,
             state_bytes={
                 "params": device_bytes(self.params),
@@ -612,7 +674,11 @@ class JaxBackend:
                 "ema": device_bytes(self.ema),
             },
             peak_memory_bytes=self.peak_memory_bytes(),
-            details={"device_kind": jax.devices()[0].device_kind, **self.attention.stats()},
+            details={
+                "device_kind": jax.devices()[0].device_kind,
+                "tp": self.dims.tp,
+                **self.attention.stats(),
+            },
         )
 
     def peak_memory_bytes(self) -> int | None:

@@ -42,9 +42,10 @@ from accel.parallel import fsdp, pipeline, tensor_parallel, tp_head
 from accel.parallel.materialize import (
     allocate,
     builder,
-    fill_from_rank0,
     is_meta,
     named_tensors,
+    pieces_from_rank0,
+    place,
     whole,
 )
 from accel.parallel.mesh import MeshAxis, ParallelDims
@@ -161,10 +162,16 @@ class TorchLayout:
         model = model.to(self.param_dtype)
         reference = copy.deepcopy(model)  # the whole model's names and shapes
         modules = self.split(model)
+
+        def parts() -> dict[str, torch.Tensor]:  # by the whole model's names and regions
+            tensors = {n: t for m in modules for n, t in named_tensors(m)}
+            return self.checkpoint_view({"model": tensors, "optim": {}})["model"]
+
+        # Rank 0's values first, then this rank's storage: rank 0 never holds a whole model
+        # and its own part at once.
+        pieces = pieces_from_rank0(parts(), reference, build, self.device)
         allocate(modules, self.device)
-        parts = {n: t for m in modules for n, t in named_tensors(m)}
-        parts = self.checkpoint_view({"model": parts, "optim": {}})["model"]
-        fill_from_rank0(parts, reference, build, self.device)
+        place(parts(), pieces)
         if self.plan is not None:
             self.schedule = self.pipeline_schedule()
         return modules

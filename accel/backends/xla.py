@@ -9,7 +9,11 @@ mesh's `data` axis, the weights are replicated, and the step's gradient all-redu
 XLA's SPMD partitioner inserts into the step graph (the loss is the global batch's mean, so the
 partitioner turns the gradient into per-device sums and an all-reduce over `data`). `--shard
 full` is torch_xla's FSDPv2 on the same mesh (axis `fsdp`): weights and optimizer state split on
-their first axis. On PJRT CPU the mesh's devices are CPU_NUM_DEVICES.
+their first axis. `--tp N` makes the mesh 2-D, `data` x `model` (N devices along `model`): each
+linear layer of the plan (accel.parallel.tensor_parallel) has its weight, its optimizer moments
+and its EMA split along `model` (Megatron's columns and rows), batches split along `data` only,
+and the partitioner makes the collectives of both axes. On PJRT CPU the mesh's devices are
+CPU_NUM_DEVICES.
 
 Processes started one a chip by torchrun on a TPU host (torch_xla's multi-process replicas) take
 the explicit path: gradients all-reduced with xm.all_reduce, scale 1/world size, before clipping
@@ -52,20 +56,27 @@ from accel.backends.quiet import quiet_imports
 from accel.backends.torch_core import (
     TorchCore,
     accumulate,
+    init_optimizer_state,
     local_norm,
     metric_sums,
     where_guard,
 )
-from accel.config import BackendConfig, ConfigError
+from accel.config import BackendConfig, ConfigError, MeshConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.models.factory import ImageClassifier
 from accel.optim import OptimizerSpec
 from accel.parallel import effective_shard
 from accel.parallel.materialize import whole
+from accel.parallel.mesh import ParallelDims
+from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 
 INSTALL = "pip install 'accel[xla]' (torch 2.9 with torch_xla 2.9)"
 SUPPORTS = Supports(
     shard=("none", "full"),
+    tp=True,
+    exclusive=(
+        ("--tp", "--shard", "FSDPv2 splits every weight on its first axis over the whole mesh"),
+    ),
     replicas="devices",
     kernel_opt="torch_xla's syncfree AdamW (O0-O2: its kernel needs fp32 weights)",
 )
@@ -114,12 +125,28 @@ def runs_on_cpu() -> bool:
 def context(cfg: BackendConfig) -> DistContext:
     """One process: over a device mesh (SPMD) when --nproc_per_node > 1; one of several
     processes when torchrun started it (TPU hosts)."""
-    if launched_by_torchrun():
+    processes = launched_by_torchrun()
+    check_tp(cfg.mesh, processes)
+    if processes:
         return env_context()
     devices = cfg.mesh.devices
     if devices > 1:
+        if cfg.mesh.tp > 1:  # the sizes refused before the runtime starts
+            ParallelDims.of(cfg.mesh, devices)
         start_spmd(devices)
     return DistContext()
+
+
+def check_tp(mesh: MeshConfig, processes: bool) -> None:
+    """tp splits the devices of the SPMD mesh one process drives: refused in one line without
+    one (one device, or one of several processes, each driving its own device)."""
+    if mesh.tp < 2 or (mesh.devices > 1 and not processes):
+        return
+    have = "this process is one of several started by torchrun" if processes else "devices=1"
+    raise ConfigError(
+        f"--tp {mesh.tp} on xla splits the devices of the SPMD mesh one process drives: give "
+        f"devices=N (--nproc_per_node N), N a multiple of {mesh.tp}; {have}"
+    )
 
 
 def start_spmd(devices: int) -> None:
@@ -215,12 +242,22 @@ class XlaBackend:
         self.data_parallel = (ctx.rank, ctx.world_size)
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed
-        self.local_replicas = cfg.mesh.devices if self.spmd else 1
+        check_tp(cfg.mesh, ctx.distributed)
+        self.mesh_devices = cfg.mesh.devices if self.spmd else 1
+        # Devices the global batch is split over: the mesh's `data` axis.
+        self.local_replicas = self.mesh_devices
         self.shard = effective_shard(cfg.mesh.shard, self.local_replicas)
         self.axis = "fsdp" if self.shard == "full" else "data"
+        self.tp = cfg.mesh.tp if self.spmd else 1
+        self.splits: dict[str, int] = {}  # split parameter name -> its axis along `model`
         if self.spmd:
-            n = self.local_replicas
-            self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
+            n = self.mesh_devices
+            if self.tp > 1:
+                dims = ParallelDims.of(cfg.mesh, n)
+                self.local_replicas = dims.dp
+                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, "model"))
+            else:
+                self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
         # syncfree AdamW's fused kernel takes fp32 parameters only (bf16 ones at O3 fail XLA's
         # verifier or give NaN), so O3 keeps torch's AdamW.
         self.syncfree = cfg.step.kernel_opt and self.amp.level != "O3"
@@ -268,6 +305,12 @@ class XlaBackend:
         self.module = self.forward_module = model.to(self.device, dtype=self.amp.param_dtype)
         if self.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(self.module)
+        if self.tp > 1:  # names as the module trained has them (it is never wrapped with tp)
+            plan = resolve_plan(self.module, self.cfg.mesh.tp_plan, self.tp)
+            self.splits = weight_splits(self.module, plan)
+            # Split before the fp32 masters, the optimizer's moments and the EMA are made from
+            # the weights, so that none of them is ever held whole.
+            self.mark_tp()
         if self.shard == "full":  # FSDPv2: the weights split on their first axis over `fsdp`
             from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
                 SpmdFullyShardedDataParallel,
@@ -277,6 +320,11 @@ class XlaBackend:
         # Device random draws (dropout, stochastic depth) differ between replicas.
         xm.set_rng_state(self.cfg.step.seed + self.ctx.rank, str(self.device))
         self.core.attach([self.module], build_optimizer, head, self.cfg.step.ema)
+        if self.tp > 1:
+            # The moments made now (zeros, as the first step would make them), to be split as
+            # their weight is: made by the step, they would be whole until it ends.
+            init_optimizer_state(self.core.optimizer, self.core.extra_state)
+            self.mark_tp()
         self.loss_fn = loss_fn
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
@@ -426,12 +474,42 @@ class XlaBackend:
         torch_xla.sync()
 
     def reshard(self) -> None:
-        """A copy into a parameter drops its sharding: FSDPv2's again."""
+        """A copy into a tensor drops its sharding: FSDPv2's again, or tp's."""
+        self.mark_tp()
         if self.shard != "full":
             return
         for param in self.module.parameters():
             if param.dim():
                 xs.mark_sharding(param, self.mesh, (self.axis,) + (None,) * (param.dim() - 1))
+
+    def mark_tp(self) -> None:
+        """Each weight of the tp plan split along the mesh's `model` axis on its axis, and the
+        tensors laid out as it (its fp32 master, its optimizer moments, its EMA) alike; the rest
+        stays replicated. Marking a tensor split the same way again changes nothing."""
+        if not self.splits:
+            return
+        params = dict(self.module.named_parameters())
+        for name, axis in self.splits.items():
+            param = params[name]
+            spec = tuple("model" if i == axis else None for i in range(param.dim()))
+            for tensor in self.laid_out_as(param):
+                xs.mark_sharding(tensor, self.mesh, spec)
+
+    def laid_out_as(self, param: nn.Parameter) -> list[torch.Tensor]:
+        """`param` and what the optimizer keeps of its shape for it (once attached): its fp32
+        master, its moments (not the step count, not syncfree's empty buffer), its EMA."""
+        core = self.core
+        if not hasattr(core, "optimizer"):
+            return [param]
+        updated = core.updated(param)
+        state = core.optimizer.state.get(updated, {})
+        ema = {id(p): e for p, e in zip(core.params, core.ema, strict=False)}
+        found = [param, updated, *state.values(), ema.get(id(param))]
+        out: dict[int, torch.Tensor] = {}
+        for tensor in found:
+            if torch.is_tensor(tensor) and tensor.shape == param.shape:
+                out.setdefault(id(tensor), tensor)
+        return list(out.values())
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         seed = xm.get_rng_state(str(self.device))  # an unsigned 64-bit seed: kept as two halves
@@ -489,8 +567,11 @@ class XlaBackend:
             persistent_cache=self.persistent_cache,
             persistent_cache_hits=met.counter_value("PersistentCacheHit") or 0,
             fallback_ops=fallback_ops(),
-            devices=self.local_replicas,
+            devices=self.mesh_devices,
             shard=self.shard,
             state_bytes=self.core.measured,
-            details={"input_shapes": sorted(str(s[0]) for s in self.input_shapes)},
+            details={
+                "input_shapes": sorted(str(s[0]) for s in self.input_shapes),
+                "tp": self.tp,
+            },
         )

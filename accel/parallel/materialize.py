@@ -82,18 +82,21 @@ def _regions(parts: dict[str, torch.Tensor], name: str, meta: torch.Tensor, devi
     return [_decode(code.tolist(), meta.shape) for code in every]
 
 
-def fill_from_rank0(
+def pieces_from_rank0(
     parts: dict[str, torch.Tensor],
     whole: nn.Module,
     build: Callable[[], nn.Module],
     device: torch.device,
-) -> None:
-    """Give the allocated tensors of `parts` (plain, or DTensor views of this rank's part) the
-    values of the model `build()` makes on rank 0: rank 0 sends each rank its own region of
-    each tensor, point to point, so no other rank ever holds more than its part. `whole` is the
-    model on the meta device: every rank walks its tensors in the same order."""
+) -> dict[str, torch.Tensor]:
+    """This rank's region of each tensor of `parts` (on the meta device: plain, or DTensor views
+    of this rank's part), with the values of the model `build()` makes on rank 0: rank 0 sends
+    each rank its own region of each tensor, point to point, so no other rank ever holds more
+    than its part. Before this rank's part is allocated, so that rank 0 holds at most one whole
+    model at a time: each whole tensor is let go once its regions are sent and its own copied.
+    `whole` is the model on the meta device: every rank walks its tensors in the same order."""
     rank = dist.get_rank()
     source = dict(named_tensors(build())) if rank == 0 else {}
+    pieces: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for name, meta in named_tensors(whole):
             regions, full = _regions(parts, name, meta, device), source.pop(name, None)
@@ -101,21 +104,26 @@ def fill_from_rank0(
                 if region is None or (rank not in (0, peer)):
                     continue
                 if rank == 0:  # rank 0 built the whole model: `full` is its tensor
-                    piece = (
-                        cast(torch.Tensor, full)[region]
-                        .to(device=device, dtype=meta.dtype)
-                        .contiguous()
-                    )
+                    piece = cast(torch.Tensor, full)[region].to(device=device, dtype=meta.dtype)
                     if peer == 0:
-                        local_region(parts[name])[0].copy_(piece)
+                        pieces[name] = piece.clone()
                     else:
-                        dist.send(piece, dst=peer)
+                        dist.send(piece.contiguous(), dst=peer)
                 else:
-                    storage = local_region(parts[name])[0]
-                    into = storage if storage.is_contiguous() else torch.empty_like(storage)
-                    dist.recv(into, src=0)
-                    if into is not storage:
-                        storage.copy_(into)
+                    shape = [s.stop - s.start for s in region] or list(meta.shape)
+                    pieces[name] = torch.empty(shape, dtype=meta.dtype, device=device)
+                    dist.recv(pieces[name], src=0)
+            del full
+    return pieces
+
+
+def place(parts: dict[str, torch.Tensor], pieces: dict[str, torch.Tensor]) -> None:
+    """Copy each piece into the allocated storage of its tensor (then let it go)."""
+    with torch.no_grad():
+        for name in list(pieces):
+            local_region(parts[name])[0].copy_(
+                pieces.pop(name).view_as(local_region(parts[name])[0])
+            )
 
 
 def is_meta(model: nn.Module) -> bool:

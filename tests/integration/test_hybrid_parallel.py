@@ -138,3 +138,19 @@ def test_a_plan_that_cannot_split_is_refused_in_one_line():
     )
     assert "MlpNet has no block accel knows how to split" in _refused(tp=2)
     assert "tp and pp must be at least 1" in _refused(tp=0)
+
+
+def test_a_checkpoint_of_jax_data_2_by_model_2_loads_on_eager(tmp_path):
+    pytest.importorskip("jax", reason="jax is not installed")
+    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    done = run_module(SCRIPT, "own", "jax", "4", "2", "none", str(tmp_path), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    trained = json.loads((tmp_path / "result.json").read_text())
+    fresh, _ = build("own")
+    engine = accel.prepare(fresh, torch.optim.AdamW(fresh.parameters()), api_loss_fn,
+                           backend="eager", quiet=True)  # fmt: skip
+    engine.load(tmp_path / "checkpoint")
+    loaded = engine.state_dict()
+    assert sorted(loaded) == sorted(trained["weights"])
+    for name, values in trained["weights"].items():
+        np.testing.assert_allclose(loaded[name].flatten().numpy(), values, rtol=1e-6, atol=1e-7)
