@@ -96,6 +96,20 @@ def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path, backend):
         assert value == pytest.approx(plain[name], rel=1e-3, abs=1e-4), name
 
 
+def test_a_vit_split_by_tensors_trains_the_one_process_losses(tmp_path, free_port):
+    """docs/api.md's tensor-parallel commands, verbatim: 4 processes at tp 2 (data 2), with FSDP
+    over the data axis, and jax's 2 devices at tp 2, each the one process's losses."""
+    commands = documented("python examples/tensor_parallel.py")  # an env assignment may lead
+    commands += documented("torchrun --nproc_per_node 4 examples/tensor_parallel.py")
+    assert len(commands) == 4, commands
+    runs = [run(c, tmp_path / str(i), port=free_port()) for i, c in enumerate(commands)]
+    one = next(r for r, c in zip(runs, commands, strict=True) if "--tp" not in c)
+    assert one["losses"][-1] < one["losses"][0]  # it learns
+    for r in runs:
+        assert r["losses"] == pytest.approx(one["losses"], rel=1e-5, abs=1e-6), r
+        assert r["shapes"] == one["shapes"]  # state_dict: the unsplit model's tensors
+
+
 @pytest.mark.parametrize("model", ["vit_b_16", "swin_t"])
 def test_torchvision_models_with_sgd_train_alike_on_every_backend(tmp_path, model):
     backends = ["eager", "xla", "jax"] if HAS_XLA else ["eager", "jax"]
