@@ -194,3 +194,18 @@ def test_the_trainer_class_stays_small():
     tree = ast.parse((ROOT / "accel/cli/train.py").read_text())
     (trainer,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Trainer"]
     assert trainer.end_lineno - trainer.lineno + 1 <= 160
+
+
+def test_one_torch_layout_over_the_mesh_not_a_class_per_parallelism():
+    """Parallelisms compose as functions over ParallelDims: torch_layouts.py holds one layout
+    class, and each transform lives in accel/parallel/ as a function."""
+    tree = ast.parse((ROOT / "accel/backends/torch_layouts.py").read_text())
+    classes = [n.name for n in tree.body if isinstance(n, ast.ClassDef)]
+    assert classes == ["TorchLayout"]
+    functions = {"apply_tp", "apply_tp_head", "apply_fsdp", "cut_vit"}
+    defined = set()
+    for path in (ROOT / "accel/parallel").glob("*.py"):
+        defined |= {
+            n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
+        }
+    assert functions <= defined
