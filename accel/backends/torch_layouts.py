@@ -112,11 +112,13 @@ class TorchLayout:
                 f"{what} cuts the command line's timm classifier; a model of your own splits by "
                 "tp (with tp_plan) or shard"
             )
-        remat(model, self.cfg.step.remat)
         if not dims.splits_model:
-            self.module = whole(model, init).to(self.device, dtype=self.param_dtype)
+            model = whole(model, init)
+            remat(model, self.cfg.step.remat)
+            self.module = model.to(self.device, dtype=self.param_dtype)
             self.forward = self.wrap(self.module)
             return [self.module]
+        remat(model, self.cfg.step.remat)  # the meta model, which becomes this rank's part
         modules = self.materialize(model, init)
         self.module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         self.forward = self.module
@@ -281,17 +283,18 @@ class TorchLayout:
         head = {id(p) for p in self.head_params}
         shared: list[torch.Tensor] = []
         rows: list[torch.Tensor] = []
-        by_mesh: dict[Any, list[torch.Tensor]] = {}
+        by_mesh: dict[tuple[Any, tuple[int, ...]], list[torch.Tensor]] = {}
         for p in params:
             if p.grad is None:
                 continue
             if isinstance(p.grad, DTensor):
-                by_mesh.setdefault(p.grad.device_mesh, []).append(p.grad)
+                split = tuple(i for i, pl in enumerate(p.grad.placements) if pl.is_shard())
+                by_mesh.setdefault((p.grad.device_mesh, split), []).append(p.grad)
             else:
                 (rows if id(p) in head else shared).append(p.grad)
         square = torch.zeros((), device=self.device)
-        for grads in by_mesh.values():
-            square = square + fsdp.full_value(torch.nn.utils.get_total_norm(grads)) ** 2
+        for (mesh, dims), grads in by_mesh.items():
+            square = square + sharded_square(grads, mesh, dims)
         if shared:
             square = square + torch.nn.utils.get_total_norm(shared) ** 2
         if rows:
@@ -378,6 +381,16 @@ class TorchLayout:
         if isinstance(self.module, ImageClassifier):
             return self.module.classifier_parameters()
         return []
+
+
+def sharded_square(grads: list[torch.Tensor], mesh: Any, dims: tuple[int, ...]) -> torch.Tensor:
+    """The squared norm of DTensor gradients split along mesh axes `dims`: the local parts'
+    summed over those axes. Read off the local parts rather than through DTensor's own norm,
+    which gathers a tensor split twice along one axis (FSDP over tensor-parallel rows) whole."""
+    square = torch.nn.utils.get_total_norm([local(g) for g in grads]) ** 2
+    for dim in dims:
+        square = all_reduce(square, group=mesh.get_group(dim))
+    return square
 
 
 def remat(model: nn.Module, enabled: bool) -> None:
