@@ -288,7 +288,9 @@ class TorchLayout:
             if p.grad is None:
                 continue
             if isinstance(p.grad, DTensor):
-                split = tuple(i for i, pl in enumerate(p.grad.placements) if pl.is_shard())
+                # Split along every mesh axis it is not replicated on (Shard, and FSDP's
+                # strided shard of a tensor-parallel weight, which is no Shard in later torch).
+                split = tuple(i for i, pl in enumerate(p.grad.placements) if not pl.is_replicate())
                 by_mesh.setdefault((p.grad.device_mesh, split), []).append(p.grad)
             else:
                 (rows if id(p) in head else shared).append(p.grad)
@@ -385,8 +387,9 @@ class TorchLayout:
 
 def sharded_square(grads: list[torch.Tensor], mesh: Any, dims: tuple[int, ...]) -> torch.Tensor:
     """The squared norm of DTensor gradients split along mesh axes `dims`: the local parts'
-    summed over those axes. Read off the local parts rather than through DTensor's own norm,
-    which gathers a tensor split twice along one axis (FSDP over tensor-parallel rows) whole."""
+    summed over those axes (gradients are reduced, never partial sums). Read off the local
+    parts rather than through DTensor's own norm, which gathers a tensor split twice along one
+    axis (FSDP over tensor-parallel rows) whole."""
     square = torch.nn.utils.get_total_norm([local(g) for g in grads]) ** 2
     for dim in dims:
         square = all_reduce(square, group=mesh.get_group(dim))
