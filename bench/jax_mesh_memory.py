@@ -86,11 +86,11 @@ def state_need(weights: int, copies: int) -> int:
 
 
 def step_need(weights: int, devices: int, tp: int, copies: int) -> int:
-    """Host memory of a layout's step, estimated: its state, and on every device the weights
-    it gathers and the gradients it computes before their reduction (the weights' 1/tp part
-    each), with XLA's compile and temporaries. Fitted to ViT-L/16 at 32 px: one device peaked
-    at 10.3-11.4 GiB (a cold compile the higher), fsdp 4 at 15.6, fsdp 2 x model 2 at 13.5."""
-    return weights * (2 + 3 * copies + 2 * devices // tp) + 7 * GIB // 2
+    """Host memory of a layout's step, estimated: its state, the gradients and update, and what
+    the devices gather for the step (their 1/tp part of the weights each), with XLA's compile
+    and temporaries. Fitted to ViT-L/16 at 32 px, whose peaks were: one device 10.3-11.4 GiB (a
+    cold compile the higher), fsdp 4 15.6 GiB, fsdp 2 x model 2 13.5 GiB."""
+    return weights * (5 + 6 * copies + 3 * devices // tp) // 2 + 7 * GIB // 2
 
 
 def wait_for_memory(need: int, wait_s: float) -> int:
