@@ -49,7 +49,7 @@ def clip_to_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor
     """torch.nn.utils.clip_grads_with_norm_'s rule (scale by max_norm / (norm + 1e-6) where
     above) on the gradients' local storage: torch's own multiplies a list that may mix DTensor
     and plain gradients (a model split by tensors), which DTensor refuses."""
-    grads = [_storage(p.grad) for p in params if p.grad is not None]
+    grads = [local_part(p.grad) for p in params if p.grad is not None]
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
 
@@ -211,8 +211,8 @@ class TorchCore:
         (non-finite) step leaves it as it was."""
         weight = finite.float() * (1.0 - decay)
         # Shards (DTensors) update their local parts: the EMA is laid out as the weights are.
-        ema = [_storage(e) for e in self.ema]
-        current = [_storage(self.updated(p).detach()).float() for p in self.params]
+        ema = [local_part(e) for e in self.ema]
+        current = [local_part(self.updated(p).detach()).float() for p in self.params]
         torch._foreach_lerp_(ema, current, [weight] * len(ema))
 
     @contextlib.contextmanager
@@ -344,13 +344,14 @@ def metric_sums(
     return keys, torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0, device=device)
 
 
-def _storage(t: torch.Tensor) -> torch.Tensor:
+def local_part(t: torch.Tensor) -> torch.Tensor:
+    """The part of `t` this rank stores (a DTensor's local shard; a plain tensor itself)."""
     return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
     """target <- value, unless value is target's own memory (loaded in place)."""
-    mine, theirs = _storage(target), _storage(value)
+    mine, theirs = local_part(target), local_part(value)
     if mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape:
         return
     target.copy_(value.to(target.dtype))
@@ -360,7 +361,7 @@ def local_bytes(tensors: list[torch.Tensor]) -> int:
     """Bytes this rank holds of `tensors` (its shards of DTensors)."""
     total = 0
     for t in tensors:
-        local = t.to_local() if hasattr(t, "to_local") else t
+        local = local_part(t)
         if local.dim():
             total += local.numel() * local.element_size()
     return total

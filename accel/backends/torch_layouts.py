@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accel.amp import AmpPolicy
 from accel.backends.base import Batch, LossFn, MetricFn, ModelInit
-from accel.backends.torch_core import TorchCore, accumulate
+from accel.backends.torch_core import TorchCore, accumulate, local_part
 from accel.config import BackendConfig, ConfigError
 from accel.losses import (
     classifier_loss,
@@ -59,11 +59,6 @@ def all_reduce(value: torch.Tensor, group=None, mean: bool = False) -> torch.Ten
         if mean:
             value /= dist.get_world_size(group)
     return value
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """The part of `tensor` this rank stores (a DTensor's local shard)."""
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class TorchLayout:
@@ -266,7 +261,7 @@ class TorchLayout:
         return self.dims.dp > 1 and self.dims.shard == "none" and self.dims.splits_model
 
     def reduce_gradients(self, core: TorchCore) -> None:
-        grads = [local(p.grad) for p in core.params if p.grad is not None]
+        grads = [local_part(p.grad) for p in core.params if p.grad is not None]
         for work in [dist.all_reduce(g, group=self.dp_group, async_op=True) for g in grads]:
             work.wait()
         torch._foreach_div_(grads, self.dims.dp)
@@ -390,7 +385,7 @@ def sharded_square(grads: list[torch.Tensor], mesh: Any, dims: tuple[int, ...]) 
     summed over those axes (gradients are reduced, never partial sums). Read off the local
     parts rather than through DTensor's own norm, which gathers a tensor split twice along one
     axis (FSDP over tensor-parallel rows) whole."""
-    square = torch.nn.utils.get_total_norm([local(g) for g in grads]) ** 2
+    square = torch.nn.utils.get_total_norm([local_part(g) for g in grads]) ** 2
     for dim in dims:
         square = all_reduce(square, group=mesh.get_group(dim))
     return square
