@@ -68,9 +68,10 @@ def main() -> None:
             "devices": sorted({t.device.type for t in state.values()}),
         }
         if backend == "xla":  # its state bytes are whole tensors': the params' own sharding
-            import torch_xla
+            import torch_xla.distributed.spmd as xs
 
-            specs = [torch_xla._XLAC._get_xla_sharding_spec(p) for p in model.parameters()]
+            views = [xs.wrap_if_sharded(p) for p in model.parameters()]  # public sharded views
+            specs = [v.sharding_spec if isinstance(v, xs.XLAShardedTensor) else "" for v in views]
             split["xla_shardings"] = specs
         record = {"losses": losses, "weights": weights, **split}
         (out / "result.json").write_text(json.dumps(record))

@@ -1,7 +1,6 @@
 import gc
-import multiprocessing.process
+import inspect
 import os
-import subprocess
 import sys
 import types
 from pathlib import Path
@@ -113,32 +112,30 @@ def starts_processes(func, seen: set | None = None) -> bool:
     return False
 
 
+def _fixture_functions(item):
+    """The suite's functions behind the fixtures `item` uses (its own module's, conftest's and
+    shared_runs.py's): pytest's public names give each fixture's name and, through
+    inspect.unwrap, its function."""
+    from tests import shared_runs
+
+    wanted = set(item.fixturenames)
+    for module in (item.module, sys.modules[__name__], shared_runs):
+        for value in vars(module).values():
+            if getattr(value, "name", None) in wanted and hasattr(value, "__wrapped__"):
+                yield inspect.unwrap(value)
+
+
 def _item_starts_processes(item) -> bool:
     if starts_processes(getattr(item, "function", None)):
         return True
-    info = getattr(item, "_fixtureinfo", None)
-    for name in item.fixturenames if info else ():
-        for fixturedef in info.name2fixturedefs.get(name, ()):
-            if _ours(fixturedef.func) and starts_processes(fixturedef.func):
-                return True
-    return False
+    return any(_ours(f) and starts_processes(f) for f in _fixture_functions(item))
 
 
 class _Guard:
     item = None  # the non-slow test being set up, run or torn down
 
 
-def _refuse(what: str) -> None:
-    if _Guard.item is not None:
-        pytest.fail(
-            f"{_Guard.item.nodeid} starts {what} but is not marked slow: mark it "
-            "@pytest.mark.slow (make test-fast leaves slow tests out), or run it in this "
-            "process (tests/helpers.py: launch, train)",
-            pytrace=False,
-        )
-
-
-def _starts_ours(args) -> bool:
+def starts_ours(args) -> bool:
     """Whether a command runs the project's own code: the launcher (`-m accel...` or a console
     script), `python -c` code that imports accel, a bench script, pytest, a notebook's kernel.
     Libraries' own helper processes (torch.compile checks each kernel it builds in `python -c`)
@@ -155,36 +152,23 @@ def _starts_ours(args) -> bool:
     )  # fmt: skip
 
 
-_popen_init = subprocess.Popen.__init__
-_process_start = multiprocessing.process.BaseProcess.start
+def _refuse_processes_of_fast_tests(event: str, args: tuple) -> None:
+    """An audit hook (sys.addaudithook): a non-slow test that starts one of the project's
+    programs through subprocess (directly or through a library) fails, naming itself, so a new
+    test lands in the right tier. The processes that the static check above cannot see are
+    these; multiprocessing's are named by the test's code (STARTER_MODULES)."""
+    if event != "subprocess.Popen" or _Guard.item is None or not starts_ours(args[1]):
+        return
+    item, _Guard.item = _Guard.item, None  # pytest.fail's own work starts nothing
+    pytest.fail(
+        f"{item.nodeid} starts a process ({' '.join(map(str, list(args[1])[:4]))[:200]} ...) "
+        "but is not marked slow: mark it @pytest.mark.slow (make test-fast leaves slow tests "
+        "out), or run it in this process (tests/helpers.py: launch, train)",
+        pytrace=False,
+    )
 
 
-def _guarded_popen_init(self, args, *rest, **kw):
-    if _Guard.item is not None and _starts_ours(args):
-        _refuse(f"a process ({' '.join(map(str, list(args)[:4]))[:200]} ...)")
-    return _popen_init(self, args, *rest, **kw)
-
-
-def _guarded_process_start(self):
-    default = multiprocessing.get_start_method(allow_none=True) or "fork"  # setting none
-    method = getattr(self, "_start_method", None) or default
-    if _Guard.item is not None and method != "fork":
-        _refuse(f"a {method} process ({self.name})")
-    return _process_start(self)
-
-
-_server_start = helpers._Server.start
-
-
-def _guarded_server_start(request: dict) -> int:
-    if _Guard.item is not None:
-        _refuse(f"a process ({' '.join(map(str, request['python'][:4]))[:200]} ...)")
-    return _server_start(request)
-
-
-subprocess.Popen.__init__ = _guarded_popen_init
-multiprocessing.process.BaseProcess.start = _guarded_process_start
-helpers._Server.start = _guarded_server_start
+sys.addaudithook(_refuse_processes_of_fast_tests)
 
 
 def _guarded(item):
@@ -213,14 +197,8 @@ def pytest_runtest_teardown(item):
 
 @pytest.fixture(scope="session", autouse=True)
 def command_files(tmp_path_factory):
-    """Where the commands the suite forks (helpers.Command) write their stdout, stderr and
-    exit status; the server that forks them ends with the session."""
-    helpers._Server.folder = tmp_path_factory.mktemp("commands")
-    helpers._Server.env = dict(os.environ)
-    yield
-    if helpers._Server.process is not None:
-        helpers._Server.process.stdin.close()  # the server returns on end of input
-        helpers._Server.process.wait(timeout=60)
+    """Where the commands the suite starts (helpers.Command) write their stdout and stderr."""
+    helpers.Command.folder = tmp_path_factory.mktemp("commands")
 
 
 @pytest.fixture(scope="session")

@@ -7,11 +7,10 @@ import importlib.util
 import io
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
-import time
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -101,47 +100,16 @@ def train(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]
     return read_summary(output), stdout
 
 
-class _Server:
-    """tests/cli_server.py, started on first use and kept for the session: it forks each command
-    from a process that has already imported torch, timm, torch_xla, JAX and accel."""
-
-    process: subprocess.Popen | None = None
-    # Set by conftest as the session starts: the commands' stdout, stderr and status files, and
-    # the environment the server imports in.
-    folder: Path | None = None
-    env: dict[str, str] | None = None
-    count = 0
-
-    @classmethod
-    def start(cls, request: dict) -> int:
-        """Fork the command `request` describes (tests/cli_server.py); its pid."""
-        if cls.process is None or cls.process.poll() is not None:
-            cls.process = subprocess.Popen(
-                [sys.executable, "-m", "tests.cli_server"],
-                cwd=ROOT,
-                env=cls.env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-        cls.count += 1
-        base = cls.folder / str(cls.count)
-        request.update(stdout=f"{base}.out", stderr=f"{base}.err", status=f"{base}.status")
-        Path(request["stdout"]).touch()  # to be read from the start, while the command runs
-        Path(request["stderr"]).touch()
-        cls.process.stdin.write(json.dumps(request) + "\n")
-        cls.process.stdin.flush()
-        reply = cls.process.stdout.readline()
-        assert reply, "the suite's command server (tests/cli_server.py) has ended"
-        return json.loads(reply)["pid"]
-
-
 class Command:
-    """A Python command forked by tests/cli_server.py, with what the suite uses of
-    subprocess.Popen: pid, poll, wait, send_signal, terminate, kill, communicate, returncode, and
-    stdout and stderr as text files to read while it runs (stdin is /dev/null).
+    """A Python command in a fresh interpreter, as a user starts it, with what the suite uses of
+    subprocess.Popen (pid, poll, wait, send_signal, terminate, kill, returncode, args) and
+    stdout and stderr as text files to read while it runs (stdin is /dev/null); files rather
+    than pipes, so that a command that prints much never waits for the test to read.
     `python -m accel.launch_single_task ARGV` unless `script` (`python SCRIPT ARGV`) or `module`
     (`python -m MODULE ARGV`) says otherwise."""
+
+    folder: Path | None = None  # where the files go: set by conftest for the session
+    count = 0
 
     def __init__(
         self,
@@ -153,40 +121,44 @@ class Command:
         module: str = "accel.launch_single_task",
     ):
         python = [script, *argv] if script else ["-m", module, *argv]
-        self.args = [sys.executable, *python]
-        request = {"python": python, "env": {**os.environ, **(env or {})}, "cwd": str(cwd)}
-        request.update(new_session=new_session)
-        self.pid = _Server.start(request)  # which adds the paths of its files
-        self._status = Path(request["status"])
-        self.stdout = open(request["stdout"])  # noqa: SIM115 (closed by communicate)
-        self.stderr = open(request["stderr"])  # noqa: SIM115
+        Command.count += 1
+        base = (Command.folder or Path(tempfile.mkdtemp())) / f"command-{Command.count}"
+        out, err = base.with_suffix(".out"), base.with_suffix(".err")
+        with out.open("w") as stdout, err.open("w") as stderr:
+            self.process = subprocess.Popen(
+                [sys.executable, *python],
+                cwd=cwd,
+                env={**os.environ, **(env or {})},
+                stdin=subprocess.DEVNULL,
+                stdout=stdout,
+                stderr=stderr,
+                start_new_session=new_session,
+            )
+        self.args, self.pid = self.process.args, self.process.pid
+        self.stdout = out.open()  # closed by communicate
+        self.stderr = err.open()
         self.stdin = None
-        self.returncode: int | None = None
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.returncode
 
     def poll(self) -> int | None:
-        if self.returncode is None and self._status.exists():
-            self.returncode = int(self._status.read_text())
-        return self.returncode
+        return self.process.poll()
 
     def wait(self, timeout: float | None = None) -> int:
-        """Its exit code, or TimeoutExpired past `timeout` seconds (polled: the command is the
-        server's child, not this process's)."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while self.poll() is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.args, timeout)
-            time.sleep(0.05)
-        return self.returncode
+        """Its exit code (minus the signal's number if one ended it); TimeoutExpired past
+        `timeout` seconds."""
+        return self.process.wait(timeout)
 
     def send_signal(self, sig: int) -> None:
-        if self.poll() is None:
-            os.kill(self.pid, sig)
+        self.process.send_signal(sig)
 
     def terminate(self) -> None:
-        self.send_signal(signal.SIGTERM)
+        self.process.terminate()
 
     def kill(self) -> None:
-        self.send_signal(signal.SIGKILL)
+        self.process.kill()
 
     def communicate(self, timeout: float | None = None) -> tuple[str, str]:
         """Wait for the end; all of stdout and stderr (from where reading has got to)."""
@@ -195,13 +167,6 @@ class Command:
         self.stdout.close()
         self.stderr.close()
         return out, err
-
-
-# tests/cli_server.py forks the Python programs a command starts (torchrun's ranks among them)
-# from the command itself; in an environment with this, they start as they do for users, as
-# fresh interpreters: for the tests that look at ranks from outside (their command line and
-# environment, their process tree).
-FRESH_RANKS = {"ACCEL_SUITE_FRESH_RANKS": "1"}
 
 
 def start_cli(*args: str, env: dict | None = None) -> Command:
@@ -222,14 +187,14 @@ def run_command(command: Command, timeout: int) -> subprocess.CompletedProcess:
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
     """`python -m accel.launch_single_task ARGS` (with `env` over this process's environment) in
-    a process of its own, forked ready-imported (tests/cli_server.py)."""
+    a process of its own."""
     return run_command(Command(list(args), env), timeout)
 
 
 def run_script(
     script: str, *args: str, env: dict | None = None, cwd: Path = ROOT, timeout: int = 600
 ) -> subprocess.CompletedProcess:
-    """`python SCRIPT ARGS` in a process of its own, forked ready-imported (as run_cli)."""
+    """`python SCRIPT ARGS` in `cwd`, in a process of its own."""
     return run_command(Command(list(args), env, str(Path(cwd) / script), cwd), timeout)
 
 
@@ -237,7 +202,7 @@ def run_module(
     module: str, *args: str, env: dict | None = None, timeout: int = 600
 ) -> subprocess.CompletedProcess:
     """`python -m MODULE ARGS` (torchrun is `torch.distributed.run`) in the project root, in a
-    process of its own, forked ready-imported (as run_cli)."""
+    process of its own."""
     return run_command(Command(list(args), env, module=module), timeout)
 
 
@@ -317,9 +282,8 @@ def backend_tensors(backend) -> dict:
 
 
 def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
-    """The launcher's process of `rank`, once started (a launcher started with FRESH_RANKS);
-    children that come and go while it looks (the loader's short-lived helpers) are passed
-    over."""
+    """The launcher's process of `rank`, once started; children that come and go while it looks
+    (the loader's short-lived helpers) are passed over."""
     for child in launcher.children(recursive=True):
         try:
             if child.environ().get("RANK") == rank and "accel.launch_single_task" in " ".join(

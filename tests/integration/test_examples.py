@@ -40,8 +40,8 @@ def run(command: str, tmp_path, port: int | None = None, stderr: list | None = N
         env[key] = value
     out = tmp_path / words[words.index("--out") + 1]
     words[words.index("--out") + 1] = str(out)
-    # A process forked ready-imported: `python SCRIPT ...`, and torchrun as `python -m
-    # torch.distributed.run ...` (what its console script runs), whose ranks are forked too.
+    # `python SCRIPT ...`, and torchrun as `python -m torch.distributed.run ...` (what its
+    # console script runs).
     if words[0] == "python":
         done = run_script(words[1], *words[2:], env=env)
     else:

@@ -9,7 +9,7 @@ import psutil
 import pytest
 
 from accel.data.prepare import prepare_mock_imagenet
-from tests.helpers import FRESH_RANKS, rank_process, run_cli, start_cli
+from tests.helpers import rank_process, run_cli, start_cli
 
 pytestmark = pytest.mark.slow  # ranks in processes
 
@@ -29,7 +29,6 @@ def test_killing_one_rank_ends_the_job_naming_it(tmp_path):
         "1",
         "--output",
         str(tmp_path),
-        env=FRESH_RANKS,  # rank 1 found by its environment
     )
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 120

@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from tests.helpers import (
-    FRESH_RANKS,
     launch,
     rank_process,
     read_summary,
@@ -154,7 +153,6 @@ def test_sigkill_of_one_rank_leaves_none_of_its_processes(tmp_path):
     proc = start_cli(
         *("--nproc_per_node", "2", "--steps", "100000", "--batch_size", "8", "--workers", "2"),
         *("--no-eval", "--log_every", "1", "--output", str(tmp_path)),
-        env=FRESH_RANKS,  # rank 1 found by its environment
     )
     launcher = psutil.Process(proc.pid)
     deadline = time.monotonic() + 180

@@ -15,7 +15,6 @@ import psutil
 import pytest
 
 from tests.helpers import (
-    FRESH_RANKS,
     TWO_HOST_DEVICES,
     Command,
     read_summary,
@@ -151,7 +150,7 @@ def test_two_nodes_train_the_losses_of_one_node_with_two_processes(node_runs, la
 
 def test_killing_one_nodes_launcher_ends_the_other_naming_the_rank(tmp_path, free_port):
     job = ("--steps", "100000", "--batch_size", "8", "--save_every", "0")
-    procs = _nodes(tmp_path, free_port(), *job, env=FRESH_RANKS)  # ranks named by their commands
+    procs = _nodes(tmp_path, free_port(), *job)
     deadline = time.monotonic() + 120
     while not list(tmp_path.glob("**/metrics.rank1.jsonl")):
         assert all(p.poll() is None for p in procs) and time.monotonic() < deadline

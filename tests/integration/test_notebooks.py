@@ -2,34 +2,22 @@
 checked: the numbers they print, the files they write, and no third-party notice in any cell."""
 
 import re
-import sys
 
 import nbformat
 import pytest
-from jupyter_client.provisioning import local_provisioner
 from nbclient import NotebookClient
 
-from tests.helpers import ROOT, Command
+from tests.helpers import ROOT
 
 pytestmark = pytest.mark.slow  # a kernel process each, and real training
 
 NOTICES = ("IProgress", "TqdmWarning", "absl", "PJRT_DEVICE", "Tensorflow", "Traceback")
 
 
-def forked_kernel(cmd: list[str], env: dict, cwd: str, **_) -> Command:
-    """jupyter_client's launch of the kernel (`python -m ipykernel_launcher -f FILE`), forked
-    ready-imported by the suite's server as the command line is: the same kernel, in a session
-    of its own, without the interpreter's start and torch's imports. The launches the notebooks
-    make from it are forked from it in turn (tests/cli_server.py)."""
-    assert cmd[:3] == [sys.executable, "-m", "ipykernel_launcher"], cmd
-    return Command(cmd[3:], env, cwd=cwd, new_session=True, module="ipykernel_launcher")
-
-
-def execute(name: str, workdir, monkeypatch) -> str:
+def execute(name: str, workdir) -> str:
     """Run notebooks/<name>.ipynb in `workdir`; return the text of all its outputs, having
     checked that none of them is a notice from a library."""
     nb = nbformat.read(ROOT / "notebooks" / f"{name}.ipynb", as_version=4)
-    monkeypatch.setattr(local_provisioner, "launch_kernel", forked_kernel)
     NotebookClient(
         nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(workdir)}}
     ).execute()
@@ -49,8 +37,8 @@ def _pictures(folder) -> None:
 
 
 @pytest.mark.xla  # USE_ACCEL=1 on a CPU is torch_xla
-def test_quickstart_trains_both_paths_and_reports(tmp_path, monkeypatch):
-    text = execute("01_quickstart", tmp_path, monkeypatch)
+def test_quickstart_trains_both_paths_and_reports(tmp_path):
+    text = execute("01_quickstart", tmp_path)
     assert "accel: backend eager (default" in text and "accel: backend xla (USE_ACCEL=1" in text
     assert "| vit_micro | eager | 1 |" in text and "| vit_micro | xla | 1 |" in text
     assert re.search(r"xla runs at \d\.\d\dx eager's images/s here, and spends [\d.]+ s", text)
@@ -58,8 +46,8 @@ def test_quickstart_trains_both_paths_and_reports(tmp_path, monkeypatch):
 
 
 @pytest.mark.xla
-def test_swin_walkthrough_reads_the_median_speedup(tmp_path, monkeypatch):
-    text = execute("02_swin_accel_vs_eager", tmp_path, monkeypatch)
+def test_swin_walkthrough_reads_the_median_speedup(tmp_path):
+    text = execute("02_swin_accel_vs_eager", tmp_path)
     assert "120 training JPEGs, 20 validation JPEGs" in text
     assert "| swin_micro | eager | 2 |" in text and "| swin_micro | xla | 2 |" in text
     assert re.search(r"speed-up of xla over eager: \d+\.\d\dx \(medians of 2 runs each\)", text)
@@ -67,8 +55,8 @@ def test_swin_walkthrough_reads_the_median_speedup(tmp_path, monkeypatch):
 
 
 @pytest.mark.xla
-def test_recompile_walkthrough_shows_the_cost_the_stop_and_the_fix(tmp_path, monkeypatch):
-    text = execute("03_xla_recompiles", tmp_path, monkeypatch)
+def test_recompile_walkthrough_shows_the_cost_the_stop_and_the_fix(tmp_path):
+    text = execute("03_xla_recompiles", tmp_path)
     assert int(re.search(r"ragged: compiles_after_warmup = (\d+)", text).group(1)) >= 1
     assert re.search(r"step 7 took [\d.]+ s, a steady step [\d.]+ s", text)  # speeds: bench/
     assert "stopped: 1 graphs compiled after warm-up (limit 0)" in text

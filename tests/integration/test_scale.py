@@ -1,8 +1,7 @@
 """Model parallel at the scale it exists for: ViT-L/16 cut into 4 pipeline stages, and a
 1,000,000-class classifier split over 2 ranks. No rank builds, trains, saves or loads the whole
 model's state. What a rank's run adds to its resident memory is its peak (`peak_host_bytes` in
-summary.json) over what it held once its imports were done (`host_bytes_at_start`): the same for a
-rank forked from its launcher (tests/cli_server.py) as for a fresh interpreter."""
+summary.json) over what it held once its imports were done (`host_bytes_at_start`)."""
 
 from __future__ import annotations
 

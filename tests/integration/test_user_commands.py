@@ -1,8 +1,7 @@
 """Commands as users type them: the seed's own launch lines and the README's quick start verbatim,
 jax with loader workers, and a second launch of a jax job that reuses the first one's compiled
-step. The installed console script itself runs the first seed command; the others run its
-main() in a process forked ready-imported (tests/cli_server.py), with the same arguments,
-environment and working folder."""
+step. The installed console script itself runs the first seed command; the others run
+`python -m accel.launch_single_task` with the same arguments, environment and working folder."""
 
 from __future__ import annotations
 
