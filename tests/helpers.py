@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 import psutil
 import torch
@@ -74,10 +75,19 @@ def free_port(taken: set[int] = set()) -> int:  # noqa: B006 (the ports handed o
             return port
 
 
-def launch(*args: str, env: dict | None = None) -> tuple[int, str, str]:
-    """launch_single_task's main(argv) in this process, where the command line itself is not
-    what a test looks at: (exit code, stdout, stderr). One process only: a job of several ranks
-    goes through run_cli, and its test is marked slow."""
+class Launched(NamedTuple):
+    """What a launch in this process gave: unpacks as (exit code, stdout, stderr), and reads as
+    the subprocess.CompletedProcess of the same command would (returncode, stdout, stderr)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def launch(*args: str, env: dict | None = None) -> Launched:
+    """launch_single_task's main(argv) in this process, where what is checked is the run's
+    outputs and not the process: its exit code, stdout and stderr. One process only: a job of
+    several ranks goes through run_cli, and its test is marked slow."""
     from accel.cli.launch import main
 
     saved = dict(os.environ)
@@ -89,7 +99,7 @@ def launch(*args: str, env: dict | None = None) -> tuple[int, str, str]:
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return code, out.getvalue(), err.getvalue()
+    return Launched(code, out.getvalue(), err.getvalue())
 
 
 def train(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:

@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from tests.helpers import (
+    Launched,
     launch,
     rank_process,
     read_summary,
-    run_cli,
     start_cli,
     train,
 )
@@ -37,12 +37,9 @@ class Payload:
         return (Path.touch, (self.marker,))
 
 
-def _one_line(result: subprocess.CompletedProcess | tuple, *needles: str) -> str:
-    """The one error line of a run that stopped with exit 2 (run_cli's result, or launch's)."""
-    if isinstance(result, tuple):
-        code, _, stderr = result
-    else:
-        code, stderr = result.returncode, result.stderr
+def _one_line(result: Launched, *needles: str) -> str:
+    """The one error line of a run that stopped with exit 2."""
+    code, _, stderr = result
     assert code == 2, stderr[-2000:]
     lines = [line for line in stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "Traceback" not in stderr, stderr[-2000:]
@@ -91,7 +88,7 @@ def test_a_crafted_checkpoint_folder_never_runs_its_code(saved_run, tmp_path):
 
 def test_a_second_run_into_a_folder_in_use_stops_and_the_first_is_untouched(tmp_path):
     long = (*JOB, "--steps", "400", "--log_every", "50", "--save_every", "100", "--run_name", "r")
-    lone = run_cli(*long, "--output", str(tmp_path / "lone"))
+    lone = launch(*long, "--output", str(tmp_path / "lone"))
     assert lone.returncode == 0, lone.stderr[-2000:]
     first = start_cli(*long, "--output", str(tmp_path / "shared"))
     lock = tmp_path / "shared" / "vit_micro" / "eager" / "r" / ".lock"
@@ -183,7 +180,7 @@ def test_a_full_disk_is_one_line_naming_the_path_and_what_was_kept(tmp_path):
         pytest.skip("a small tmpfs cannot be mounted here (needs root)")
     try:
         job = ("--steps", "40", "--save_every", "1", "--keep_checkpoints", "0")
-        result = run_cli(*JOB, *job, "--output", str(disk), "--run_name", "r")
+        result = launch(*JOB, *job, "--output", str(disk), "--run_name", "r")
         line = _one_line(result, str(disk))
         assert "kept" in line and ("No space left" in line or "write failed" in line), line
         kept = sorted((disk / "vit_micro" / "eager" / "r" / "checkpoints").glob("step_*.pt"))

@@ -9,7 +9,7 @@ import torch
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
-from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli
+from tests.helpers import dirty_mock_imagenet, launch, micro_config, read_summary
 
 
 @pytest.fixture(scope="module")
@@ -18,7 +18,7 @@ def dirty_imagenet(tmp_path_factory):
 
 
 def _train(dirty_imagenet, tmp_path, *extra: str):
-    return run_cli(
+    return launch(
         "--model",
         "vit_micro",
         "--data",
@@ -50,6 +50,7 @@ def test_unreadable_files_are_skipped_counted_and_odd_modes_trained_on(tmp_path,
     assert summary["eval_images"] == 9
 
 
+@pytest.mark.slow  # a loader worker: a forkserver process
 def test_strict_data_stops_at_the_first_bad_file_from_a_worker(tmp_path, dirty_imagenet):
     result = _train(dirty_imagenet, tmp_path, "--workers", "1", "--strict-data")
     assert result.returncode == 2

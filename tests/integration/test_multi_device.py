@@ -17,6 +17,7 @@ import pytest
 from tests.helpers import (
     TWO_HOST_DEVICES,
     Command,
+    launch,
     read_summary,
     run_cli,
     train,
@@ -206,7 +207,7 @@ def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_device
 
 def test_jax_coordination_variables_half_set_are_one_line(tmp_path, free_port):
     env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}", "JAX_NUM_PROCESSES": "2"}
-    result = run_cli(*JOB, "--backend", "jax", "--output", str(tmp_path), env=env, timeout=120)
+    result = launch(*JOB, "--backend", "jax", "--output", str(tmp_path), env=env)
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert result.returncode == 2 and len(lines) == 1, result.stderr[-2000:]
     assert "JAX_PROCESS_ID unset" in lines[0]

@@ -17,7 +17,7 @@ from accel.distributed import DistContext
 from accel.report.figures import COLOURS, STATE_PARTS, figures, step_groups
 from accel.report.tables import README_BEGIN, README_END, aggregate, find_runs, update_readme
 from accel.report.tables import main as report_main
-from tests.helpers import HAS_XLA, micro_config, run_cli
+from tests.helpers import HAS_XLA, launch, micro_config, run_cli
 
 pytestmark = pytest.mark.slow  # six runs: two each of eager, xla and jax, compiled
 
@@ -181,6 +181,6 @@ def test_compare_runs_each_backend_and_prints_one_row_each(tmp_path):
 
 
 def test_compare_refuses_unknown_backends_in_one_line(tmp_path):
-    result = run_cli("--compare", "eager,tpu", "--steps", "1", "--output", str(tmp_path))
+    result = launch("--compare", "eager,tpu", "--steps", "1", "--output", str(tmp_path))
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "tpu" in result.stderr

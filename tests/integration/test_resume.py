@@ -68,13 +68,14 @@ def final_ema(output: Path, backend: str) -> torch.Tensor:
 
 
 def full_run(output: Path, backend: str = "eager") -> tuple[list[float], torch.Tensor]:
-    result = run_cli(*JOB, "--backend", backend, "--output", str(output))
+    result = launch(*JOB, "--backend", backend, "--output", str(output))
     assert result.returncode == 0, result.stderr[-2000:]
     return read_summary(output)["losses"], final_ema(output, backend)
 
 
 def resume(output: Path, backend: str = "eager") -> tuple[list[float], torch.Tensor]:
-    result = run_cli(*JOB, "--backend", backend, "--output", str(output), "--resume", "auto")
+    """The killed run's resume, in this process: only the kill needs a process of its own."""
+    result = launch(*JOB, "--backend", backend, "--output", str(output), "--resume", "auto")
     assert result.returncode == 0, result.stderr[-2000:]
     return read_summary(output)["losses"], final_ema(output, backend)
 
