@@ -208,12 +208,6 @@ def free_port():
     return helpers.free_port
 
 
-# pytest-xdist's workers (make test: -n 2 --dist loadgroup) take whole groups: a test file's
-# tests together, so that its module-scoped runs start once, and every test that reads the
-# session's shared runs (tests/shared_runs.py) together, so that those start once too.
-SHARED_RUNS = {"eager_runs", "tp_runs"}
-
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests that start processes are marked slow (above), before -m selects.
@@ -228,8 +222,6 @@ def pytest_collection_modifyitems(config, items):
     if torch_xla is None and os.environ.get("ACCEL_REQUIRE_XLA"):
         raise pytest.UsageError(f"ACCEL_REQUIRE_XLA is set but {NO_XLA}")
     for item in items:
-        shared = SHARED_RUNS.intersection(item.fixturenames)
-        item.add_marker(pytest.mark.xdist_group("shared-runs" if shared else item.path.name))
         if not item.get_closest_marker("slow") and _item_starts_processes(item):
             item.add_marker(pytest.mark.slow)
         if "xla" in item.keywords and torch_xla is None:

@@ -1,9 +1,13 @@
 """The examples run as the README and docs/api.md show them, verbatim, and compare: minimal.py
 gives the same losses on every backend; classic_loop_accel.py gives classic_loop.py's."""
 
+import contextlib
 import difflib
+import io
 import json
+import os
 import re
+import runpy
 import shlex
 import subprocess
 import sys
@@ -11,7 +15,15 @@ import sys
 import pytest
 import torch
 
-from tests.helpers import HAS_XLA, ROOT, TWO_HOST_DEVICES, run_module, run_script, xla_flags
+from tests.helpers import (
+    HAS_XLA,
+    ROOT,
+    TWO_HOST_DEVICES,
+    Launched,
+    run_module,
+    run_script,
+    xla_flags,
+)
 
 pytestmark = pytest.mark.slow
 DOCS = ("README.md", "docs/api.md")
@@ -26,9 +38,35 @@ def documented(prefix: str) -> list[str]:
     return sorted(set(found))
 
 
-def run(command: str, tmp_path, port: int | None = None, stderr: list | None = None) -> dict:
+def run_here(script: str, *args: str, env: dict) -> Launched:
+    """`python SCRIPT ARGS` with `env`, run in this process by runpy: its exit code, stdout and
+    stderr."""
+    saved_env, saved_argv = dict(os.environ), sys.argv
+    os.environ.update(env)
+    sys.argv = [str(ROOT / script), *args]
+    out, err, code = io.StringIO(), io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            runpy.run_path(str(ROOT / script), run_name="__main__")
+    except SystemExit as exit_:
+        code = exit_.code if isinstance(exit_.code, int) else 1
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
+    return Launched(code, out.getvalue(), err.getvalue())
+
+
+def run(
+    command: str,
+    tmp_path,
+    port: int | None = None,
+    stderr: list | None = None,
+    in_process: bool = False,
+) -> dict:
     """Run a documented command verbatim (its output folder under tmp_path); its losses.json
-    (and its stderr appended to `stderr`).
+    (and its stderr appended to `stderr`). `in_process`: a command on one device runs here
+    (run_here), where only what it trains is checked.
     torchrun's rendezvous takes `port` through its environment (PET_MASTER_PORT), so the
     command stays as documented and two suites on one machine do not share torchrun's 29500."""
     words = shlex.split(command, comments=True)
@@ -39,11 +77,17 @@ def run(command: str, tmp_path, port: int | None = None, stderr: list | None = N
         key, value = words.pop(0).split("=", 1)
         env[key] = value
     out = tmp_path / words[words.index("--out") + 1]
+    in_process &= "ACCEL_DEVICES" not in env
     words[words.index("--out") + 1] = str(out)
-    # `python SCRIPT ...`, and torchrun as `python -m torch.distributed.run ...` (what its
-    # console script runs).
-    if words[0] == "python":
+    # A command on one device runs its script in this process, as `python SCRIPT` would run it
+    # (its arguments, environment, __main__); a command on several devices needs a process of
+    # its own, as XLA and JAX read the device count once, as they start; torchrun runs as
+    # `python -m torch.distributed.run ...` (what its console script runs).
+    if words[0] == "python" and not in_process:
         done = run_script(words[1], *words[2:], env=env)
+    elif words[0] == "python":  # XLA_FLAGS as this process's XLA and JAX started with them
+        env.pop("XLA_FLAGS")
+        done = run_here(words[1], *words[2:], env=env)
     else:
         assert words[0] == "torchrun", command
         env.update({"PET_MASTER_PORT": str(port)} if port else {})
@@ -59,13 +103,13 @@ def test_minimal_gives_the_same_losses_on_every_backend(tmp_path):
     assert len(commands) >= 2, "the docs show minimal.py on two backends or more"
     if not HAS_XLA:  # the commands that name xla (USE_ACCEL=1 is xla on a CPU) need torch_xla
         commands = [c for c in commands if "ACCEL_BACKEND=xla" not in c and "USE_ACCEL" not in c]
-    runs = [run(c, tmp_path / str(i)) for i, c in enumerate(commands)]
+    runs = [run(c, tmp_path / str(i), in_process=True) for i, c in enumerate(commands)]
     backends = {r["backend"] for r in runs}
     for backend in (
         {"eager", "compile", "xla", "jax"} - backends - ({"xla"} if not HAS_XLA else set())
     ):
         env = f"ACCEL_BACKEND={backend} python examples/minimal.py --steps 20 --out runs/{backend}"
-        runs.append(run(env, tmp_path / backend))
+        runs.append(run(env, tmp_path / backend, in_process=True))
     first = runs[0]["losses"]
     assert first[-1] < 0.6 * first[0]  # it learns
     for r in runs[1:]:
@@ -118,6 +162,7 @@ def test_torchvision_models_with_sgd_train_alike_on_every_backend(tmp_path, mode
             f"ACCEL_BACKEND={b} python examples/torchvision_sgd.py --model {model} --steps 6 "
             f"--out runs/{b}",
             tmp_path,
+            in_process=True,
         )
         for b in backends
     ]
