@@ -1,4 +1,5 @@
 import gc
+import importlib.util
 import inspect
 import os
 import sys
@@ -51,6 +52,8 @@ NO_XLA = "torch_xla is not installed: its last release (2.9) pairs only with tor
 
 
 NO_GPU = "no CUDA device is visible to torch"
+NO_JAX = "jax is not installed: pip install 'accel[jax]'"
+HAS_JAX = importlib.util.find_spec("jax") is not None
 
 
 # --- the tiers: `make test-fast` runs -m "not slow and not gpu" ------------------------------
@@ -215,7 +218,8 @@ def pytest_collection_modifyitems(config, items):
     Tests marked `xla` need torch_xla. `make test` (CI) installs it and sets
     ACCEL_REQUIRE_XLA, so there a missing torch_xla fails the run instead of skipping them; on
     a newer torch (`make test-latest`) they are skipped, each with the reason. Tests marked
-    `gpu` are skipped, with the reason, where no CUDA device is visible."""
+    `gpu` are skipped, with the reason, where no CUDA device is visible; tests of the jax
+    backend, where jax is not installed (_needs_jax)."""
     import torch
 
     no_gpu = not torch.cuda.is_available()
@@ -224,10 +228,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if not item.get_closest_marker("slow") and _item_starts_processes(item):
             item.add_marker(pytest.mark.slow)
+        if not HAS_JAX and _needs_jax(item):
+            item.add_marker(pytest.mark.skip(reason=NO_JAX))
         if "xla" in item.keywords and torch_xla is None:
             item.add_marker(pytest.mark.skip(reason=NO_XLA))
         if "gpu" in item.keywords and no_gpu:
             item.add_marker(pytest.mark.skip(reason=NO_GPU))
+
+
+def _needs_jax(item) -> bool:
+    """A test that runs the jax backend says so: in its name, a parameter, or the `jax` mark
+    (the modules that import jax itself skip at import, pytest.importorskip)."""
+    params = getattr(item, "callspec", None)
+    named = any(word in item.name for word in ("jax", "torchax", "optax"))
+    named |= params is not None and "jax" in params.params.values()
+    return named or item.get_closest_marker("jax") is not None
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,10 @@ from accel.models.factory import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
+HAS_JAX = importlib.util.find_spec("jax") is not None
+# The backends this stack can run: torch_xla and jax are optional installs.
+INSTALLED = tuple(b for b in ("eager", "compile", "xla", "jax") if HAS_XLA or b != "xla")
+INSTALLED = tuple(b for b in INSTALLED if HAS_JAX or b != "jax")
 # An option by its own name ("shard") or its path ("parallel.shard"); nested configs by theirs.
 PATHS = {path.rsplit(".", 1)[-1]: path for path, _, _ in leaf_fields(RunConfig)}
 PATHS.update(mixup="data.mixup")

@@ -247,6 +247,7 @@ def test_an_op_torchax_cannot_lower_is_named(monkeypatch):
         engine.step(*batches(1)[0])
 
 
+@pytest.mark.jax
 def test_a_backend_named_in_the_environment_is_used(monkeypatch):
     monkeypatch.setenv("ACCEL_BACKEND", "jax")
     model = Net()
@@ -274,6 +275,7 @@ def test_the_apis_step_reads_nothing_back_to_the_host(backend):
     assert all(r.applied for r in engine.fetch(handles))
 
 
+@pytest.mark.jax
 def test_what_a_backend_does_not_support_is_refused_before_it_starts():
     model = Net()
     with pytest.raises(accel.AccelError, match="--amp_dtype float16 is not supported by the jax"):

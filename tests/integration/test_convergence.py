@@ -11,7 +11,7 @@ import pytest
 
 from accel.data.prepare import prepare_digits
 from bench.convergence import BACKENDS, FLAGS, curves
-from tests.helpers import DEFAULT_XLA, HAS_XLA, train, train_cli
+from tests.helpers import DEFAULT_XLA, INSTALLED, train, train_cli
 
 EPOCHS, LR, EAGER_TOP1, DISTANCE = 4, "3e-3", 0.6, 0.1
 
@@ -19,8 +19,8 @@ EPOCHS, LR, EAGER_TOP1, DISTANCE = 4, "3e-3", 0.6, 0.1
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     data = prepare_digits(tmp_path_factory.mktemp("digits"))
-    # Without torch_xla (make test-latest) the other three; CI requires it (ACCEL_REQUIRE_XLA).
-    backends = BACKENDS if HAS_XLA else tuple(b for b in BACKENDS if b != "xla")
+    # The installed backends: without torch_xla (make test-latest) the other three.
+    backends = tuple(b for b in BACKENDS if b in INSTALLED)
     # bench/convergence.py's flags, the images decoded in the training process: the batches
     # its loader workers give (test_user_commands.py), without a fork server and workers to start.
     flags = (*FLAGS, "--data", str(data), "--epochs", str(EPOCHS), "--lr", LR, "--workers", "0")

@@ -17,6 +17,7 @@ import torch
 
 from tests.helpers import (
     HAS_XLA,
+    INSTALLED,
     ROOT,
     TWO_HOST_DEVICES,
     Launched,
@@ -156,7 +157,7 @@ def test_a_vit_split_by_tensors_trains_the_one_process_losses(tmp_path, free_por
 
 @pytest.mark.parametrize("model", ["vit_b_16", "swin_t"])
 def test_torchvision_models_with_sgd_train_alike_on_every_backend(tmp_path, model):
-    backends = ["eager", "xla", "jax"] if HAS_XLA else ["eager", "jax"]
+    backends = [b for b in INSTALLED if b != "compile"]
     runs = [
         run(
             f"ACCEL_BACKEND={b} python examples/torchvision_sgd.py --model {model} --steps 6 "

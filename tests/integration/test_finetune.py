@@ -19,7 +19,7 @@ from accel.models.factory import ModelConfig, create_model, meta_model
 from accel.report.run_records import Run, run_row
 from accel.report.summary import RunSummary
 from tests.helpers import (
-    HAS_XLA,
+    INSTALLED,
     job_backend,
     launch,
     micro_config,
@@ -30,7 +30,7 @@ from tests.helpers import (
 )
 
 # Without torch_xla (make test-latest) the other three, and the xla cases skip; CI requires it.
-BACKENDS = ("eager", "compile", "xla", "jax") if HAS_XLA else ("eager", "compile", "jax")
+BACKENDS = INSTALLED
 JOB = ("--model", "vit_micro", "--steps", "5", "--batch_size", "8", "--workers", "0")
 JOB += ("--model_ema", "--model_ema_decay", "0.5", "--reprob", "0.5", "--layer_decay", "0.75")
 JOB += ("--lr", "3e-3", "--log_every", "1")

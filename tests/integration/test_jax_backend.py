@@ -5,6 +5,8 @@ import math
 import pytest
 import torch
 
+pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
+
 from accel.backends.base import BackendUnavailable
 from accel.backends.jax import torchax  # imported through the compatibility shim
 from accel.checkpoint import latest_checkpoint, to_cpu

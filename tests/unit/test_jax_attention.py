@@ -3,10 +3,13 @@ through XLA's implementation on the CPU, against attention written out by hand."
 
 import warnings
 
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 
 from accel.backends.jax_attention import AttentionKernels, padded_attention
 

@@ -2,10 +2,13 @@
 JAX: the update it makes, the skip of a non-finite step and the count. (The mean over several
 devices: tests/integration/test_api_replicas.py.)"""
 
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
+
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 from jax.sharding import Mesh
 

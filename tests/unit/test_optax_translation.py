@@ -2,9 +2,12 @@
 does, given the same gradients: AdamW, Adam and SGD with Nesterov momentum, with param groups of
 their own rate and weight decay and a schedule, 5 steps."""
 
+import pytest
+
+pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
+
 import jax.numpy as jnp
 import numpy as np
-import pytest
 import torch
 
 from accel.backends.jax_step import OptaxGroups
