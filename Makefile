@@ -27,12 +27,12 @@ demo: setup
 		--workers 2 --output $(DEMO)/runs
 
 test: setup
-	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 $(BIN)/pytest -q --durations=25 tests
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q --durations=25 tests
 
 # Every edit: the unit tests and in-process runs of each backend; no test that starts a process
 # (tests/conftest.py marks those slow). Under 3 minutes on a 2-core machine.
 test-fast: setup
-	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 $(BIN)/pytest -q --durations=10 \
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q --durations=10 \
 		-m "not slow and not gpu" tests
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last
@@ -48,7 +48,7 @@ $(LATEST)/.installed: pyproject.toml
 test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -c "import torch, torchvision, jax; print('torch', torch.__version__, \
 		'torchvision', torchvision.__version__, 'jax', jax.__version__)"
-	JAX_PLATFORMS=cpu $(LATEST)/bin/pytest -q --durations=25 tests
+	JAX_PLATFORMS=cpu ACCEL_REQUIRE_JAX=1 $(LATEST)/bin/pytest -q --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check .

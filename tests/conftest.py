@@ -1,5 +1,4 @@
 import gc
-import importlib.util
 import inspect
 import os
 import sys
@@ -53,7 +52,6 @@ NO_XLA = "torch_xla is not installed: its last release (2.9) pairs only with tor
 
 NO_GPU = "no CUDA device is visible to torch"
 NO_JAX = "jax is not installed: pip install 'accel[jax]'"
-HAS_JAX = importlib.util.find_spec("jax") is not None
 
 
 # --- the tiers: `make test-fast` runs -m "not slow and not gpu" ------------------------------
@@ -225,10 +223,12 @@ def pytest_collection_modifyitems(config, items):
     no_gpu = not torch.cuda.is_available()
     if torch_xla is None and os.environ.get("ACCEL_REQUIRE_XLA"):
         raise pytest.UsageError(f"ACCEL_REQUIRE_XLA is set but {NO_XLA}")
+    if not helpers.HAS_JAX and os.environ.get("ACCEL_REQUIRE_JAX"):
+        raise pytest.UsageError(f"ACCEL_REQUIRE_JAX is set but {NO_JAX}")
     for item in items:
         if not item.get_closest_marker("slow") and _item_starts_processes(item):
             item.add_marker(pytest.mark.slow)
-        if not HAS_JAX and _needs_jax(item):
+        if not helpers.HAS_JAX and _needs_jax(item):
             item.add_marker(pytest.mark.skip(reason=NO_JAX))
         if "xla" in item.keywords and torch_xla is None:
             item.add_marker(pytest.mark.skip(reason=NO_XLA))

@@ -94,16 +94,26 @@ def launch(*args: str, env: dict | None = None) -> Launched:
     several ranks goes through run_cli, and its test is marked slow."""
     from accel.cli.launch import main
 
-    saved = dict(os.environ)
+    with as_a_command(env) as (out, err):
+        code = main(list(args))
+    return Launched(code, out.getvalue(), err.getvalue())
+
+
+@contextlib.contextmanager
+def as_a_command(env: dict | None, argv: list[str] | None = None):
+    """This process's environment (`env` over it), sys.argv and standard streams as a command's
+    would be, all restored after; yields the (stdout, stderr) buffers."""
+    saved_env, saved_argv = dict(os.environ), sys.argv
     os.environ.update(env or {})
+    sys.argv = argv if argv is not None else sys.argv
     out, err = io.StringIO(), io.StringIO()
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
+            yield out, err
     finally:
         os.environ.clear()
-        os.environ.update(saved)
-    return Launched(code, out.getvalue(), err.getvalue())
+        os.environ.update(saved_env)
+        sys.argv = saved_argv
 
 
 def train(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:

@@ -1,11 +1,8 @@
 """The examples run as the README and docs/api.md show them, verbatim, and compare: minimal.py
 gives the same losses on every backend; classic_loop_accel.py gives classic_loop.py's."""
 
-import contextlib
 import difflib
-import io
 import json
-import os
 import re
 import runpy
 import shlex
@@ -21,6 +18,7 @@ from tests.helpers import (
     ROOT,
     TWO_HOST_DEVICES,
     Launched,
+    as_a_command,
     run_module,
     run_script,
     xla_flags,
@@ -42,19 +40,12 @@ def documented(prefix: str) -> list[str]:
 def run_here(script: str, *args: str, env: dict) -> Launched:
     """`python SCRIPT ARGS` with `env`, run in this process by runpy: its exit code, stdout and
     stderr."""
-    saved_env, saved_argv = dict(os.environ), sys.argv
-    os.environ.update(env)
-    sys.argv = [str(ROOT / script), *args]
-    out, err, code = io.StringIO(), io.StringIO(), 0
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    code = 0
+    with as_a_command(env, [str(ROOT / script), *args]) as (out, err):
+        try:
             runpy.run_path(str(ROOT / script), run_name="__main__")
-    except SystemExit as exit_:
-        code = exit_.code if isinstance(exit_.code, int) else 1
-    finally:
-        os.environ.clear()
-        os.environ.update(saved_env)
-        sys.argv = saved_argv
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
     return Launched(code, out.getvalue(), err.getvalue())
 
 
