@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 # Backends run for real on the CPU: torch_xla through PJRT CPU, JAX on its CPU platform.
+# JAX's platform is chosen per run in pytest_configure (below), before anything imports jax.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # XLA's CPU code generation at LLVM's lowest optimisation level (torch_xla's and JAX's alike):
 # the same programs, compiled in about a third of the time (vit_micro's step on xla: 9 s -> 3 s),
@@ -209,6 +209,22 @@ def free_port():
     return helpers.free_port
 
 
+def pytest_configure(config):
+    """JAX on its CPU platform for the CPU tiers; left to take the GPU in a run of the GPU tier
+    alone where one is visible (helpers.jax_platform_default)."""
+    import torch
+
+    platform = helpers.jax_platform_default(config.option.markexpr, torch.cuda.is_available())
+    if platform:
+        os.environ.setdefault("JAX_PLATFORMS", platform)
+
+
+NO_JAX_GPU = (
+    "JAX_PLATFORMS=cpu in this run (the CPU tiers' setting): the GPU tier's jax tests run on the "
+    "GPU with `pytest -m gpu`"
+)
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     """Tests that start processes are marked slow (above), before -m selects.
@@ -221,6 +237,7 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     no_gpu = not torch.cuda.is_available()
+    jax_on_cpu = os.environ.get("JAX_PLATFORMS", "").strip().lower() == "cpu"
     if torch_xla is None and os.environ.get("ACCEL_REQUIRE_XLA"):
         raise pytest.UsageError(f"ACCEL_REQUIRE_XLA is set but {NO_XLA}")
     if not helpers.HAS_JAX and os.environ.get("ACCEL_REQUIRE_JAX"):
@@ -234,6 +251,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=NO_XLA))
         if "gpu" in item.keywords and no_gpu:
             item.add_marker(pytest.mark.skip(reason=NO_GPU))
+        elif "gpu" in item.keywords and jax_on_cpu and _needs_jax(item):
+            item.add_marker(pytest.mark.skip(reason=NO_JAX_GPU))
+    items.sort(key=gpu_jax_last)
+
+
+def gpu_jax_last(item) -> bool:
+    """Sort key: a jax engine makes "jax" torch's accelerator for the rest of its process, and
+    no CUDA backward runs after that (eager.cuda_refusal), so in each process, and each
+    pytest-xdist worker (which takes tests in this order), the GPU tier's jax tests come last."""
+    return "gpu" in item.keywords and _needs_jax(item)
 
 
 def _needs_jax(item) -> bool:

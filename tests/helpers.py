@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -515,3 +516,22 @@ def steps_reading_nothing(engine, backend: str, data: list) -> list:
         handles = [engine.step(*b) for b in data[2:]]
     assert reads.seen == []
     return handles
+
+
+def gpu_tier_only(markexpr: str) -> bool:
+    """Whether pytest's -m expression selects the GPU tier alone ('gpu', 'gpu and not slow')."""
+    return re.fullmatch(r"\s*gpu(\s+and\s+.+)?\s*", markexpr) is not None
+
+
+def jax_platform_default(markexpr: str, cuda_visible: bool) -> str | None:
+    """The JAX_PLATFORMS the suite sets where the environment leaves it unset: the CPU tiers run
+    JAX on its CPU platform, as they run torch_xla on PJRT CPU; a run of the GPU tier alone
+    (`pytest -m gpu`) where a CUDA device is visible sets nothing, so JAX takes the GPU, and the
+    tier's jax tests assert that it did.
+
+    >>> jax_platform_default("gpu", cuda_visible=True) is None
+    True
+    >>> jax_platform_default("not slow and not gpu", cuda_visible=True)
+    'cpu'
+    """
+    return None if cuda_visible and gpu_tier_only(markexpr) else "cpu"

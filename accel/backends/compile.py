@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from accel.backends import eager
 from accel.backends.base import Supports
 from accel.backends.eager import EagerBackend
 from accel.config import BackendConfig
@@ -27,7 +28,8 @@ SUPPORTS = Supports(
 
 
 def require() -> None:
-    """torch.compile ships with torch."""
+    """torch.compile ships with torch; it needs what eager needs (eager.require)."""
+    eager.require()
 
 
 def context(cfg: BackendConfig) -> DistContext:

@@ -16,6 +16,7 @@ from torch import nn
 from accel.amp import amp_policy
 from accel.backends.base import (
     BackendStats,
+    BackendUnavailable,
     Batch,
     LossFn,
     MetricFn,
@@ -50,7 +51,33 @@ SUPPORTS = Supports(
 
 
 def require() -> None:
-    """Eager needs nothing beyond torch."""
+    """Eager needs nothing beyond torch; on a CUDA GPU, torch's accelerator must still be CUDA."""
+    accelerator = torch.accelerator.current_accelerator()
+    refusal = cuda_refusal(torch.cuda.is_available(), accelerator and accelerator.type)
+    if refusal:
+        raise BackendUnavailable(refusal)
+
+
+def cuda_refusal(cuda: bool, accelerator: str | None) -> str | None:
+    """Why a CUDA step cannot run in this process, or None. Once a PrivateUse1 device is
+    registered (torchax registers "jax" when a jax engine is built), torch takes it for the
+    process's accelerator for good, and the autograd engine no longer finds CUDA's streams:
+    the first CUDA backward would fail deep inside torch (pytorch/pytorch#161129). On the CPU
+    nothing of that is used.
+
+    >>> cuda_refusal(True, "jax").split(":")[0]
+    "torch's accelerator in this process is 'jax', not CUDA"
+    >>> cuda_refusal(False, "jax") is None and cuda_refusal(True, "cuda") is None
+    True
+    """
+    if not cuda or accelerator in (None, "cuda"):
+        return None
+    return (
+        f"torch's accelerator in this process is '{accelerator}', not CUDA: a jax engine "
+        "(torchax) registered it, and no CUDA backward runs in a process after that "
+        "(pytorch/pytorch#161129); train eager and compile in a process of their own, before "
+        "any jax engine, or compare backends with launch_single_task --compare (a process each)"
+    )
 
 
 def context(cfg: BackendConfig) -> DistContext:

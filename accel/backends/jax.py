@@ -63,15 +63,11 @@ SUPPORTS = Supports(
 )
 
 try:
-    with quiet_imports(), removed_ops():
+    with quiet_imports():
         import jax
         import jax.numpy as jnp
-        import torchax
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
-        from torchax import interop
-        from torchax.ops import ops_registry
-        from torchax.tensor import OperatorNotFound
 
         from accel.backends.jax_attention import AttentionKernels
         from accel.backends.jax_step import (
@@ -83,11 +79,40 @@ try:
             to_jax,
             to_torch,
         )
-    not_an_accelerator(torchax.device_module)
     IMPORT_ERROR: BaseException | None = None
 except Exception as err:  # reported by require() as one line: missing, or not for this torch
     # None where it cannot be imported: require() refuses before any use.
     jax, IMPORT_ERROR = None, err  # type: ignore[assignment]
+
+# torchax is imported when a jax engine is about to be built (require()), not with this module.
+# Its import renames torch's PrivateUse1 device to "jax", which makes it torch's accelerator for
+# the rest of the process (at::getAccelerator prefers a registered PrivateUse1 device; it cannot
+# be unregistered), and from then on no CUDA backward runs in that process (pytorch/pytorch#161129:
+# "PyTorch is not linked with support for jax devices"). So importing accel, listing the backends
+# or checking a configuration leaves torch as it was; eager.require() refuses CUDA in one line
+# once torchax has come in.
+torchax: Any = None
+interop: Any = None
+ops_registry: Any = None
+OperatorNotFound: type[Exception] = LookupError  # torchax's own class once it is loaded
+
+
+def load_torchax() -> BaseException | None:
+    """Import torchax (once) and bind its names here; the error, where its import failed."""
+    global torchax, interop, ops_registry, OperatorNotFound
+    if torchax is not None:
+        return None
+    try:
+        with quiet_imports(), removed_ops():
+            import torchax as module
+            from torchax import interop as interop_module
+            from torchax.ops import ops_registry as registry
+            from torchax.tensor import OperatorNotFound as not_found
+    except Exception as err:  # reported by require() as one line
+        return err
+    not_an_accelerator(module.device_module)
+    torchax, interop, ops_registry, OperatorNotFound = module, interop_module, registry, not_found
+    return None
 
 
 # JAX's GPU client takes this fraction of the card when it starts (its default, 0.75, leaves a
@@ -96,13 +121,16 @@ RUNTIME_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
 def require() -> None:
-    if isinstance(IMPORT_ERROR, ImportError):
+    """Refuses in one line where jax, optax or torchax is missing or cannot import on this torch;
+    otherwise imports torchax (see load_torchax)."""
+    error = IMPORT_ERROR or load_torchax()
+    if isinstance(error, ImportError):
         raise BackendUnavailable(f"the jax backend needs jax, torchax and optax: {INSTALL}")
-    if IMPORT_ERROR is not None:
+    if error is not None:
         versions = ", ".join(f"{p} {installed(p)}" for p in ("torch", "torchax", "jax"))
         raise BackendUnavailable(
             f"the jax backend cannot start: importing torchax failed with {versions} "
-            f"({type(IMPORT_ERROR).__name__}: {IMPORT_ERROR}); install a torchax release "
+            f"({type(error).__name__}: {error}); install a torchax release "
             "made for this torch, or a torch torchax supports"
         )
     for name, value in RUNTIME_ENV.items():
@@ -110,6 +138,7 @@ def require() -> None:
 
 
 def build(cfg: BackendConfig, ctx: DistContext) -> JaxBackend:
+    require()  # torchax in, where prepare's check did not already bring it
     return JaxBackend(cfg, ctx)
 
 
@@ -333,8 +362,9 @@ class JaxBackend:
             self.env = torchax.default_env()
         self.compiles_at_warmup: int | None = None
         on_gpu = jax.default_backend() == "gpu"
-        self.attention = AttentionKernels(flash=on_gpu)
-        # Attention always goes through jax.nn.dot_product_attention (cuDNN flash on GPU):
+        self.attention = AttentionKernels(flash=on_gpu, choice=step.attention)
+        # Attention always goes through jax.nn.dot_product_attention (cuDNN flash or XLA's own
+        # ops, per shape as step.attention says):
         # torchax's own lowering computes it in fp32 and hands fp32 on to the rest of the
         # block, so O1-O3 would run most matmuls in fp32.
         self.sdpa = torch_sdpa(self.attention)
@@ -676,6 +706,9 @@ class JaxBackend:
             peak_memory_bytes=self.peak_memory_bytes(),
             details={
                 "device_kind": jax.devices()[0].device_kind,
+                # Where the arrays live ('gpu', 'cpu', 'tpu'): JAX falls back to its CPU
+                # platform quietly where its GPU plugin is missing.
+                "platform": self.mesh.devices.flat[0].platform,
                 "tp": self.dims.tp,
                 **self.attention.stats(),
             },

@@ -100,6 +100,7 @@ def test_jax_takes_cudnn_flash_attention_and_matches_xla(tokens, heads, bias_bat
         out = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
         return out.astype(jnp.float32).sum()
 
+    assert {d.platform for d in q.devices()} == {"gpu"}, "JAX fell back to its CPU platform"
     got = jax.grad(flash, argnums=(0, 1, 2))(q, k, v)
     want = jax.grad(xla, argnums=(0, 1, 2))(q, k, v)
     assert kernels.flash_calls > 0 and not kernels.refused, kernels.refused
@@ -119,6 +120,8 @@ def test_backend_by_amp_level_trains_five_finite_steps_on_cuda(backend, level, m
     assert len(summary["losses"]) == 5 and all(math.isfinite(x) for x in summary["losses"])
     assert summary["compiles_after_warmup"] == 0
     assert summary["device"] != "CPU"
+    if backend == "jax":  # torch sees the GPU either way: where did JAX's arrays live?
+        assert summary["platform"] == "gpu", "JAX fell back to its CPU platform"
 
 
 def test_a_jax_checkpoint_from_the_gpu_resumes_on_cpu_eager(tmp_path):
@@ -130,6 +133,7 @@ def test_a_jax_checkpoint_from_the_gpu_resumes_on_cpu_eager(tmp_path):
         env={"CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-2000:]
+    assert trained["platform"] == "gpu", "JAX fell back to its CPU platform"
     on_cpu = read_summary(tmp_path / "cpu")
     assert on_cpu["device"].startswith("CPU")
     assert on_cpu["eval_loss"] == pytest.approx(trained["eval_loss"], rel=1e-3)

@@ -72,11 +72,12 @@ def test_a_missing_op_is_a_stand_in_only_inside_the_shim(monkeypatch):
 
 
 def test_torchax_imports_and_its_environment_starts_on_this_torch():
-    from accel.backends.jax import IMPORT_ERROR, torchax  # imported through the shim
+    from accel.backends import jax as jax_backend
 
-    assert IMPORT_ERROR is None
+    jax_backend.require()  # imports torchax through the shim
+    assert jax_backend.IMPORT_ERROR is None and jax_backend.torchax is not None
     with torchax_compat.removed_ops():
-        assert torchax.default_env() is not None
+        assert jax_backend.torchax.default_env() is not None
 
 
 def test_any_failure_importing_torchax_is_one_line_naming_the_versions(tmp_path):
@@ -98,9 +99,13 @@ def test_any_failure_importing_torchax_is_one_line_naming_the_versions(tmp_path)
 
 
 def test_an_eager_step_runs_in_a_process_that_imported_torchax():
-    """torchax's "jax" device is no accelerator of torch's: an optimizer step still runs."""
-    import accel.backends.jax  # noqa: F401  (imports torchax)
+    """torchax's "jax" device, torch's accelerator once torchax is in, says it is not available
+    (not_an_accelerator): an optimizer step on the CPU still runs."""
+    from accel.backends import jax as jax_backend
 
+    jax_backend.require()  # imports torchax
+    assert torch.accelerator.current_accelerator().type == "jax"
+    assert not torch.accelerator.is_available()
     weight = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([weight], lr=0.1, fused=True)
     weight.grad = torch.ones(3)

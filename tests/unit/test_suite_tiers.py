@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import conftest
+from tests import conftest, helpers
 from tests.conftest import starts_ours, starts_processes
 from tests.helpers import ROOT, micro_config, run_cli, start_cli, train
 
@@ -170,3 +170,36 @@ def test_the_suite_names_no_private_attribute_of_python_torch_xla_or_jax():
         if (names := private_names(path.read_text()))
     }
     assert found == {}
+
+
+@pytest.mark.parametrize(
+    ("markexpr", "cuda", "platform"),
+    [
+        ("gpu", True, None),  # the GPU tier alone, a GPU visible: JAX takes it
+        ("gpu and not slow", True, None),
+        ("gpu", False, "cpu"),  # no GPU: the tier skips; JAX stays on the CPU
+        ("", True, "cpu"),  # the whole suite: the CPU tiers need JAX on the CPU
+        ("not slow and not gpu", True, "cpu"),
+        ("gpu or slow", True, "cpu"),
+        ("not gpu", True, "cpu"),
+    ],
+)
+def test_jax_takes_the_gpu_in_a_gpu_tier_run_where_one_is_visible(markexpr, cuda, platform):
+    assert helpers.jax_platform_default(markexpr, cuda) == platform
+
+
+def test_the_gpu_tiers_jax_tests_come_last():
+    class Item:
+        def __init__(self, name: str, gpu: bool):
+            self.name, self.keywords = name, {"gpu": True} if gpu else {}
+
+        def get_closest_marker(self, name):
+            return None
+
+    items = [
+        Item("test_jax_on_gpu", True),
+        Item("test_eager_on_gpu", True),
+        Item("test_jax", False),
+    ]
+    names = [i.name for i in sorted(items, key=conftest.gpu_jax_last)]
+    assert names == ["test_eager_on_gpu", "test_jax", "test_jax_on_gpu"]
