@@ -19,11 +19,13 @@ AmpDtype = Literal["bfloat16", "float16"]
 ShardMode = Literal["none", "full", "grad_op"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 GradReduce = Literal["all_reduce", "optimizer_step"]
+AttentionChoice = Literal["auto", "cudnn", "xla"]
 
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 AMP_LEVELS: tuple[str, ...] = get_args(AmpLevel)
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 PP_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
+ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
 
 
 class ConfigError(ValueError):
@@ -38,7 +40,10 @@ class StepConfig:
     clip_grad: the gradients' global norm limit (0: none). accum: micro-batches a step's batch
     is split into. ema: keep an exponential moving average of the weights. seed: the backend's
     own random draws. remat: recompute activations in the backward. kernel_opt: the backend's
-    extra fused paths (`launch_single_task --backends` lists them).
+    extra fused paths (`launch_single_task --backends` lists them). attention: the jax
+    backend's attention kernels: "xla" (XLA's own ops), "cudnn" (cuDNN flash attention wherever
+    it takes the shape) or "auto" (by shape, accel/backends/jax_attention.py); on a CPU all
+    run on XLA, and the other backends run torch's own attention whatever it says.
     """
 
     amp: AmpLevel = "O0"
@@ -49,6 +54,7 @@ class StepConfig:
     seed: int = 0
     remat: bool = False
     kernel_opt: bool = False
+    attention: AttentionChoice = "auto"
 
 
 @dataclass(frozen=True)

@@ -61,9 +61,11 @@ from accel.checkpoint import (
 )
 from accel.config import (
     AMP_LEVELS,
+    ATTENTION_CHOICES,
     SHARD_MODES,
     AmpDtype,
     AmpLevel,
+    AttentionChoice,
     BackendConfig,
     BackendName,
     ConfigError,
@@ -123,6 +125,7 @@ def prepare(
     tp_plan: Mapping[str, str] | None = None,
     pp: int = 1,
     seed: int = 0,
+    attention: AttentionChoice = "auto",
     quiet: bool = False,
     init: ModelInit | None = None,
     state: LoopPart | None = None,
@@ -168,6 +171,10 @@ def prepare(
         accel.parallel.tensor_parallel): {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}.
     pp: pipeline stages (eager; the command line's ViT classifier and its loss only).
     seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
+    attention: the jax backend's attention kernels: "xla" (XLA's own ops, no custom call),
+        "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU) or "auto"
+        (by shape: cuDNN for long sequences such as ViT's, XLA for short windows such as
+        Swin's; accel/backends/jax_attention.py). The other backends run torch's own attention.
     quiet: say nothing at start (default: one line naming the backend and why).
     state: an object with a `step` count and state_dict/load_state_dict (a
         torch.distributed.checkpoint Stateful) that `save` and `load` keep; its `step` counts
@@ -177,7 +184,7 @@ def prepare(
         compile cache and recompile limits among them); the keywords above then stay unset.
     """
     mesh = (devices, shard, tp, tp_plan, pp)
-    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, mesh, seed)
+    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, mesh, seed, attention)
     if config is not None and given != keyword_config(*KEYWORD_DEFAULTS):
         raise AccelError("give the backend's settings as config= or as keywords, not both")
     cfg = config or replace(given, step=replace(given.step, ema=ema is not None))
@@ -218,13 +225,12 @@ def prepare(
     warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
     rates = LearningRates(spec, schedule, optimizer)
     engine = Engine(runner, ctx, rates, cfg.step.accum, decay, state)
-    engine.max_recompiles = cfg.compiler.max_recompiles
     engine.model_given = model
     return engine
 
 
 # prepare's own
-KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", (None, "none", 1, None, 1), 0)
+KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", (None, "none", 1, None, 1), 0, "auto")
 DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)
 
 
@@ -236,10 +242,12 @@ def keyword_config(
     amp_dtype: str,
     mesh: tuple[int | None, str, int, Mapping[str, str] | None, int],
     seed: int,
+    attention: str = "auto",
 ) -> BackendConfig:
     """prepare's keywords as the library's config (checked by `settled`); `mesh`: devices,
     shard, tp, tp_plan and pp."""
     step = StepConfig(amp, amp_dtype, clip_grad, accum, seed=seed)  # type: ignore[arg-type]
+    step = replace(step, attention=attention)  # type: ignore[arg-type]
     devices, shard, tp, tp_plan, pp = mesh
     layout = MeshConfig(devices or 0, shard, tp, tp_plan, pp=pp)  # type: ignore[arg-type]
     return BackendConfig(backend or "", step, layout)  # type: ignore[arg-type]
@@ -252,6 +260,10 @@ def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> Ba
         raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{step.amp}'")
     if mesh.shard not in SHARD_MODES:
         raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{mesh.shard}'")
+    if step.attention not in ATTENTION_CHOICES:
+        raise AccelError(
+            f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got '{step.attention}'"
+        )
     if isinstance(ema, float | int) and not 0 <= ema < 1:
         raise AccelError(f"ema is a decay in [0, 1), got {ema}")
     if not mesh.devices:
@@ -298,7 +310,6 @@ class Engine:
         self.shapes: tuple | None = None  # the last step's batch shapes
         self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
-        self.max_recompiles = -1  # graphs compiled after warm-up before a step stops (-1: any)
 
     @property
     def steps_done(self) -> int:
@@ -378,42 +389,18 @@ class Engine:
         started = time.perf_counter()
         with user_errors("step"):
             handle = self.runner.train_step(micro_batches, self.lr, decay)
-        before, self.shapes = self.shapes, shapes
+        if shapes not in self.shapes_seen:  # a compiling backend compiled the step for them
+            if self.shapes is not None and self.runner.compiles_per_shape and self.is_main:
+                seconds = time.perf_counter() - started
+                say(
+                    f"the {self.backend} step compiled again ({seconds:.1f} s) for batch shapes "
+                    f"{shape_text(shapes)}, after {shape_text(self.shapes)}: keep them fixed (a "
+                    "DataLoader's drop_last=True)"
+                )
+            self.shapes_seen.add(shapes)
+        self.shapes = shapes
         self.state.step = done + 1
-        new = shapes not in self.shapes_seen  # a compiling backend compiled the step for them
-        self.shapes_seen.add(shapes)
-        self.check_recompiles()  # past the limit: the error, not the notice
-        if new and before is not None and self.runner.compiles_per_shape and self.is_main:
-            seconds = time.perf_counter() - started
-            say(
-                f"the {self.backend} step compiled again ({seconds:.1f} s) for batch shapes "
-                f"{shape_text(shapes)}, after {shape_text(before)}: keep them fixed (a "
-                "DataLoader's drop_last=True)"
-            )
         return handle
-
-    def check_recompiles(self) -> None:
-        """More graphs compiled after warm-up than `max_recompiles` (CompilerConfig): stop, in
-        one line naming the likely cause. The policy of every backend that compiles."""
-        limit = self.max_recompiles
-        if limit < 0:
-            return
-        compiled = self.runner.compiles_after_warmup()
-        if compiled <= limit:
-            return
-        if len(self.shapes_seen) > 1:
-            shapes = ", ".join(shape_text(s) for s in sorted(self.shapes_seen))
-            cause = (
-                f"the batch shapes changed between steps ({shapes}); keep them fixed (a "
-                "DataLoader's drop_last=True, padded and masked evaluation batches)"
-            )
-        else:
-            cause = (
-                "the traced step changed with fixed batch shapes (a Python branch on a tensor "
-                "value, .item() inside the step, or a changing Python constant); "
-                f"{self.runner.explain_compiles}"
-            )
-        raise RecompileError(f"{compiled} graphs compiled after warm-up (limit {limit}): {cause}")
 
     def micro_batches(self, batch: tuple) -> list[tuple]:
         size = batch[0].shape[0]
@@ -497,8 +484,7 @@ class Engine:
         self.runner.synchronize()
 
     def mark_warmup_done(self) -> None:
-        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles, and a
-        step past CompilerConfig's `max_recompiles` of them raises RecompileError."""
+        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles."""
         self.runner.mark_warmup_done()
 
     def stats(self) -> BackendStats:

@@ -1,10 +1,15 @@
 """Attention for the jax backend: torch's scaled_dot_product_attention as
-jax.nn.dot_product_attention, on cuDNN flash attention where the GPU takes it.
+jax.nn.dot_product_attention, on cuDNN flash attention or on XLA's own ops, chosen per shape.
+
+The choice (`prepare(attention=...)`, `--attention`): "xla" runs every attention as XLA's ops
+(no custom call); "cudnn" takes cuDNN flash attention for every shape it can; "auto" picks per
+shape from AUTO_RULES below.
 
 cuDNN's fused kernel refuses the sequence lengths of ViT (197 tokens) and Swin windows (49), so
 tokens are padded to a multiple of 16 and the true lengths passed as `query_seq_lengths` /
 `key_value_seq_lengths`: cuDNN masks the padded keys, and the padded query rows are sliced off.
 A shape, dtype or mask that cuDNN refuses falls back to XLA's attention, named once in a warning.
+Without a CUDA GPU every shape runs on XLA, and stats() still says what each shape would take.
 Part of the jax backend (imported only by accel/backends/jax.py).
 """
 
@@ -13,13 +18,57 @@ from __future__ import annotations
 import math
 import warnings
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
 
+from accel.config import AttentionChoice
+
 FLASH_MULTIPLE = 16  # sequence lengths cuDNN flash attention takes with padding
 FLASH_DTYPES = (jnp.bfloat16, jnp.float16)
+Implementation = Literal["cudnn", "xla"]
+
+
+class Rule(NamedTuple):
+    """Shapes with at most `max_tokens` tokens and `max_head_dim` per head (None: any) take
+    `implementation`."""
+
+    max_tokens: int | None
+    max_head_dim: int | None
+    implementation: Implementation
+    why: str
+
+
+# What "auto" picks, first matching rule wins. Written from what is known, not yet measured per
+# shape on a GPU: a measurement of both implementations over tokens x head dim (x bias) should
+# replace this table, row for row.
+AUTO_RULES: tuple[Rule, ...] = (
+    Rule(
+        127,
+        None,
+        "xla",
+        "under 128 tokens (Swin's 49-token windows): one tile of the flash kernel, padded, and "
+        "the T x T logits are small enough for XLA's fusions",
+    ),
+    Rule(None, 128, "cudnn", "128 tokens or more (ViT-B/16's 197, padded to 208): flash"),
+    Rule(None, None, "xla", "head dim above 128: beyond cuDNN flash attention's kernels"),
+)
+
+
+def auto_choice(tokens: int, head_dim: int) -> Rule:
+    """The rule of AUTO_RULES a [B, tokens, heads, head_dim] attention falls under."""
+    return next(
+        rule
+        for rule in AUTO_RULES
+        if (rule.max_tokens is None or tokens <= rule.max_tokens)
+        and (rule.max_head_dim is None or head_dim <= rule.max_head_dim)
+    )
+
+
+def padded_length(tokens: int, multiple: int = FLASH_MULTIPLE) -> int:
+    """The sequence length the cuDNN path pads `tokens` to."""
+    return math.ceil(tokens / multiple) * multiple
 
 
 def _pad_axis(x: jax.Array, axis: int, length: int, value=0) -> jax.Array:
@@ -53,7 +102,7 @@ def padded_attention(
     """[B, T, heads, D] attention with T padded to `multiple` and the true length passed on;
     equal to unpadded attention (self-attention: queries and keys have the same length)."""
     batch, tokens = query.shape[:2]
-    padded = math.ceil(tokens / multiple) * multiple
+    padded = padded_length(tokens, multiple)
     q, k, v = (_pad_axis(t, 1, padded) for t in (query, key, value))
     lengths = jnp.full((batch,), tokens, jnp.int32)
     out = jax.nn.dot_product_attention(
@@ -73,26 +122,69 @@ def padded_attention(
 
 @dataclass
 class AttentionKernels:
-    """Which attention the traced step uses, and what cuDNN refused (one warning per shape)."""
+    """Which attention each traced shape takes, what it ran on, and what cuDNN refused (one
+    warning per shape). `choice`: "auto" (AUTO_RULES), "cudnn" or "xla"; its default, "cudnn",
+    is the path this class had before there was a choice (the backend passes the config's)."""
 
-    flash: bool  # try cuDNN flash attention (CUDA GPU, bf16/fp16 inputs)
+    flash: bool  # cuDNN flash attention can run here (a CUDA GPU)
+    choice: AttentionChoice = "cudnn"
     calls: int = 0  # attention calls traced
     flash_calls: int = 0  # of which onto cuDNN
     refused: dict[str, str] = field(default_factory=dict)  # shape -> cuDNN's reason
+    shapes: dict[str, dict] = field(default_factory=dict)  # shape -> what it took, and why
+
+    def chosen(self, tokens: int, head_dim: int) -> tuple[Implementation, str]:
+        """The implementation `choice` asks for at this shape, and why."""
+        if self.choice == "auto":
+            rule = auto_choice(tokens, head_dim)
+            return rule.implementation, f"auto: {rule.why}"
+        return self.choice, f"asked for ({self.choice})"
 
     def __call__(self, query, key, value, bias, mask, scale, is_causal) -> jax.Array:
         self.calls += 1
-        if self.flash and query.dtype in FLASH_DTYPES and query.shape[1] == key.shape[1]:
-            try:
-                out = padded_attention(query, key, value, bias, mask, scale, is_causal)
-            except (NotImplementedError, ValueError, RuntimeError) as err:
-                self.refuse(describe(query, bias, mask), err)
+        shape = describe(query, bias, mask)
+        tokens, head_dim = query.shape[1], query.shape[-1]
+        chose, why = self.chosen(tokens, head_dim)
+        ran: Implementation = "xla"
+        out = None
+        if chose == "cudnn":
+            if not self.flash:
+                why += "; no cuDNN here (no CUDA GPU, or it failed): XLA ran it"
+            elif query.dtype not in FLASH_DTYPES or tokens != key.shape[1]:
+                why += "; cuDNN flash takes bf16/fp16 self-attention only: XLA ran it"
             else:
-                self.flash_calls += 1
-                return out
+                try:
+                    out = padded_attention(query, key, value, bias, mask, scale, is_causal)
+                except (NotImplementedError, ValueError, RuntimeError) as err:
+                    self.refuse(shape, err)
+                    why += "; cuDNN refused it: XLA ran it"
+                else:
+                    self.flash_calls += 1
+                    ran = "cudnn"
+        self.note(shape, tokens, chose, ran, why)
+        if out is not None:
+            return out
         return jax.nn.dot_product_attention(
-            query, key, value, bias=bias, mask=mask, scale=scale, is_causal=is_causal
+            query,
+            key,
+            value,
+            bias=bias,
+            mask=mask,
+            scale=scale,
+            is_causal=is_causal,
+            implementation="xla",
         )
+
+    def note(self, shape: str, tokens: int, chose: str, ran: str, why: str) -> None:
+        seen = self.shapes.get(shape, {"calls": 0})
+        self.shapes[shape] = {
+            "calls": seen["calls"] + 1,
+            "tokens": tokens,
+            "cudnn_padded_tokens": padded_length(tokens),
+            "chose": chose,
+            "ran": ran,
+            "why": why,
+        }
 
     def refuse(self, shape: str, err: BaseException) -> None:
         if shape in self.refused:
@@ -105,14 +197,19 @@ class AttentionKernels:
         )
 
     def give_up(self, err: BaseException) -> None:
-        """cuDNN failed after tracing had chosen it: no flash attention from here on."""
+        """cuDNN failed after tracing had chosen it: no flash attention from here on (the
+        shapes are traced again, and say so)."""
         self.flash = False
         self.flash_calls = 0
+        self.shapes.clear()
         self.refuse("the whole step (backward or compile)", err)
 
     def stats(self) -> dict:
+        ran = {s["ran"] for s in self.shapes.values()}
         return {
-            "attention": "cudnn" if self.flash_calls and not self.refused else "xla",
+            "attention": "+".join(sorted(ran)) if ran else "xla",
+            "attention_choice": self.choice,
+            "attention_shapes": {k: dict(v) for k, v in self.shapes.items()},
             "flash_attention_calls": self.flash_calls,
             "flash_attention_refused": dict(self.refused),
         }

@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
-from accel.config import AMP_LEVELS, BACKENDS, PP_SCHEDULES, SHARD_MODES, ConfigError
+from accel.config import (
+    AMP_LEVELS,
+    ATTENTION_CHOICES,
+    BACKENDS,
+    PP_SCHEDULES,
+    SHARD_MODES,
+    ConfigError,
+)
 from accel.data.config import DataConfig
 from accel.models.factory import ModelConfig
 
@@ -146,6 +153,13 @@ class RunConfig:
     )
     remat: bool = option(
         False, "recompute activations in the backward (less memory)", group=PRECISION
+    )
+    attention: str = option(
+        "auto",
+        "jax's attention: XLA's ops, cuDNN flash attention (CUDA GPU), or by shape (auto: "
+        "cuDNN for long sequences, XLA for short windows); the other backends use torch's",
+        choices=ATTENTION_CHOICES,
+        group=PRECISION,
     )
     output: str = option("runs", "output folder", group=OUTPUT)
     run_name: str = option("", "run folder name (default: a timestamp)", group=OUTPUT)

@@ -119,6 +119,7 @@ def step_config(cfg: RunConfig) -> StepConfig:
         seed=cfg.seed,
         remat=cfg.remat,
         kernel_opt=cfg.kernel_opt,
+        attention=cfg.attention,  # type: ignore[arg-type]  # checked against its choices
     )
 
 

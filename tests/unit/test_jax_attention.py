@@ -1,9 +1,11 @@
 """The padded attention path of the jax backend (what cuDNN flash attention gets on a GPU), run
-through XLA's implementation on the CPU, against attention written out by hand."""
+through XLA's implementation on the CPU, against attention written out by hand; and the choice
+of attention (auto, cudnn, xla) per shape, from prepare's keyword and the command line's flag."""
 
 import warnings
 
 import pytest
+import torch
 
 pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
 
@@ -11,7 +13,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from accel.backends.jax_attention import AttentionKernels, padded_attention
+import accel
+import accel.backends.jax_attention as jax_attention
+from accel.backends.jax_attention import AttentionKernels, auto_choice, padded_attention
+from accel.cli.job import step_config
+from accel.cli.options import build_parser, config_from_args
 
 
 def plain_attention(q, k, v, bias):
@@ -51,7 +57,7 @@ def test_padded_path_equals_plain_attention_forward_and_gradients(tokens, bias_b
 
 def test_a_shape_cudnn_refuses_falls_back_to_xla_once_named():
     # No cuDNN on this machine: every flash attempt is refused, as an unsupported shape would be.
-    kernels = AttentionKernels(flash=True)
+    kernels = AttentionKernels(flash=True, choice="cudnn")
     q, k, v, bias = (x.astype(jnp.bfloat16) for x in _inputs(49, 1))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -66,3 +72,105 @@ def test_a_shape_cudnn_refuses_falls_back_to_xla_once_named():
     expected = plain_attention(*(x.astype(jnp.float32) for x in (q, k, v, bias)))
     np.testing.assert_allclose(first.astype(jnp.float32), expected, atol=3e-2)
     assert kernels.stats()["attention"] == "xla" and kernels.flash_calls == 0
+
+
+@pytest.mark.parametrize(
+    ("tokens", "head_dim", "expected"),
+    [(49, 32, "xla"), (127, 64, "xla"), (128, 64, "cudnn"), (197, 64, "cudnn"), (197, 256, "xla")],
+)
+def test_auto_picks_by_tokens_and_head_dim(tokens, head_dim, expected):
+    assert auto_choice(tokens, head_dim).implementation == expected
+
+
+@pytest.fixture
+def flash_spy(monkeypatch):
+    """padded_attention as if cuDNN took it (XLA's implementation underneath), counted."""
+    calls = []
+
+    def spy(query, key, value, bias=None, mask=None, scale=None, is_causal=False):
+        calls.append(query.shape)
+        return padded_attention(query, key, value, bias, mask, scale, is_causal, "xla")
+
+    monkeypatch.setattr(jax_attention, "padded_attention", spy)
+    return calls
+
+
+def _bf16(tokens: int):
+    return (x.astype(jnp.bfloat16) for x in _inputs(tokens, 1))
+
+
+def test_auto_sends_long_sequences_to_cudnn_and_short_windows_to_xla(flash_spy):
+    kernels = AttentionKernels(flash=True, choice="auto")
+    for tokens in (197, 49, 49):
+        q, k, v, bias = _bf16(tokens)
+        kernels(q, k, v, bias, None, None, False)
+    assert [shape[1] for shape in flash_spy] == [197]
+    stats = kernels.stats()
+    assert stats["attention"] == "cudnn+xla" and stats["attention_choice"] == "auto"
+    by_tokens = {s["tokens"]: s for s in stats["attention_shapes"].values()}
+    assert by_tokens[197]["ran"] == "cudnn" and by_tokens[197]["cudnn_padded_tokens"] == 208
+    assert by_tokens[49]["chose"] == by_tokens[49]["ran"] == "xla"
+    assert by_tokens[49]["calls"] == 2 and by_tokens[49]["why"].startswith("auto: under 128")
+
+
+def test_xla_never_calls_the_flash_path(flash_spy):
+    kernels = AttentionKernels(flash=True, choice="xla")
+    for tokens in (197, 49):
+        q, k, v, bias = _bf16(tokens)
+        out = kernels(q, k, v, bias, None, None, False)
+        want = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
+        np.testing.assert_array_equal(out, want)
+    assert flash_spy == [] and kernels.flash_calls == 0
+    assert {s["ran"] for s in kernels.stats()["attention_shapes"].values()} == {"xla"}
+
+
+def test_cudnn_without_a_gpu_runs_xla_and_says_what_it_would_have_taken(flash_spy):
+    kernels = AttentionKernels(flash=False, choice="cudnn")  # the CPU: no cuDNN
+    q, k, v, bias = _bf16(49)
+    kernels(q, k, v, bias, None, None, False)
+    (shape,) = kernels.stats()["attention_shapes"].values()
+    assert flash_spy == [] and (shape["chose"], shape["ran"]) == ("cudnn", "xla")
+    assert "no cuDNN here" in shape["why"]
+
+
+class Attend(torch.nn.Module):
+    """Self-attention over `tokens` tokens of width 32 (4 heads of 8) through torch's SDPA."""
+
+    def __init__(self, tokens: int):
+        super().__init__()
+        self.embed, self.tokens = torch.nn.Linear(4, 32 * tokens), tokens
+
+    def forward(self, x):
+        h = self.embed(x).view(x.shape[0], 4, self.tokens, 8)
+        return torch.nn.functional.scaled_dot_product_attention(h, h, h).mean((1, 2, 3))
+
+
+def _prepare(model, **options):
+    loss_fn = lambda m, batch: (m(batch[0]) ** 2).mean()  # noqa: E731
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return accel.prepare(model, optimizer, loss_fn, backend="jax", quiet=True, **options)
+
+
+def test_prepare_takes_the_attention_keyword_and_the_step_says_what_each_shape_took():
+    engine = _prepare(Attend(197), attention="xla", amp="O1")
+    engine.fetch([engine.step(torch.randn(2, 4))])
+    details = engine.stats().details
+    assert details["attention_choice"] == "xla"
+    (shape,) = details["attention_shapes"].values()
+    assert shape["tokens"] == 197 and (shape["chose"], shape["ran"]) == ("xla", "xla")
+
+
+def test_prepare_defaults_to_auto_and_refuses_an_unknown_attention_in_one_line():
+    assert _prepare(Attend(49)).stats().details["attention_choice"] == "auto"
+    with pytest.raises(
+        accel.AccelError, match=r"^attention must be one of auto, cudnn, xla, got 'flash'$"
+    ):
+        _prepare(Attend(49), attention="flash")
+
+
+def test_the_attention_flag_reaches_the_step_config():
+    parse = lambda *argv: config_from_args(build_parser().parse_args(list(argv)))  # noqa: E731
+    assert step_config(parse()).attention == "auto"
+    assert step_config(parse("--attention", "xla")).attention == "xla"
+    with pytest.raises(SystemExit):
+        parse("--attention", "flash")
