@@ -225,6 +225,7 @@ def prepare(
     warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
     rates = LearningRates(spec, schedule, optimizer)
     engine = Engine(runner, ctx, rates, cfg.step.accum, decay, state)
+    engine.max_recompiles = cfg.compiler.max_recompiles
     engine.model_given = model
     return engine
 
@@ -310,6 +311,7 @@ class Engine:
         self.shapes: tuple | None = None  # the last step's batch shapes
         self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
+        self.max_recompiles = -1  # graphs compiled after warm-up before a step stops (-1: any)
 
     @property
     def steps_done(self) -> int:
@@ -389,18 +391,42 @@ class Engine:
         started = time.perf_counter()
         with user_errors("step"):
             handle = self.runner.train_step(micro_batches, self.lr, decay)
-        if shapes not in self.shapes_seen:  # a compiling backend compiled the step for them
-            if self.shapes is not None and self.runner.compiles_per_shape and self.is_main:
-                seconds = time.perf_counter() - started
-                say(
-                    f"the {self.backend} step compiled again ({seconds:.1f} s) for batch shapes "
-                    f"{shape_text(shapes)}, after {shape_text(self.shapes)}: keep them fixed (a "
-                    "DataLoader's drop_last=True)"
-                )
-            self.shapes_seen.add(shapes)
-        self.shapes = shapes
+        before, self.shapes = self.shapes, shapes
         self.state.step = done + 1
+        new = shapes not in self.shapes_seen  # a compiling backend compiled the step for them
+        self.shapes_seen.add(shapes)
+        self.check_recompiles()  # past the limit: the error, not the notice
+        if new and before is not None and self.runner.compiles_per_shape and self.is_main:
+            seconds = time.perf_counter() - started
+            say(
+                f"the {self.backend} step compiled again ({seconds:.1f} s) for batch shapes "
+                f"{shape_text(shapes)}, after {shape_text(before)}: keep them fixed (a "
+                "DataLoader's drop_last=True)"
+            )
         return handle
+
+    def check_recompiles(self) -> None:
+        """More graphs compiled after warm-up than `max_recompiles` (CompilerConfig): stop, in
+        one line naming the likely cause. The policy of every backend that compiles."""
+        limit = self.max_recompiles
+        if limit < 0:
+            return
+        compiled = self.runner.compiles_after_warmup()
+        if compiled <= limit:
+            return
+        if len(self.shapes_seen) > 1:
+            shapes = ", ".join(shape_text(s) for s in sorted(self.shapes_seen))
+            cause = (
+                f"the batch shapes changed between steps ({shapes}); keep them fixed (a "
+                "DataLoader's drop_last=True, padded and masked evaluation batches)"
+            )
+        else:
+            cause = (
+                "the traced step changed with fixed batch shapes (a Python branch on a tensor "
+                "value, .item() inside the step, or a changing Python constant); "
+                f"{self.runner.explain_compiles}"
+            )
+        raise RecompileError(f"{compiled} graphs compiled after warm-up (limit {limit}): {cause}")
 
     def micro_batches(self, batch: tuple) -> list[tuple]:
         size = batch[0].shape[0]
@@ -484,7 +510,8 @@ class Engine:
         self.runner.synchronize()
 
     def mark_warmup_done(self) -> None:
-        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles."""
+        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles, and a
+        step past CompilerConfig's `max_recompiles` of them raises RecompileError."""
         self.runner.mark_warmup_done()
 
     def stats(self) -> BackendStats:

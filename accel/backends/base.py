@@ -164,6 +164,7 @@ class Backend(Protocol):
     trains_in_place: bool
     compiles_per_shape: bool
     threaded: bool  # its runtime runs threads: a DataLoader's workers must not be forked
+    explain_compiles: str  # how to have the compiler say why each graph compiled
 
     def adopt(
         self,
@@ -228,6 +229,10 @@ class Backend(Protocol):
 
     def mark_warmup_done(self) -> None:
         """Start counting compiles from here on."""
+
+    def compiles_after_warmup(self) -> int:
+        """Graphs the step compiled since `mark_warmup_done` (0 before it): the Engine stops
+        past CompilerConfig.max_recompiles. Evaluation's own graphs are not counted."""
 
     def stats(self) -> BackendStats:
         """Compiles, memory and whatever else the backend can tell of the run so far."""

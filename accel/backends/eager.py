@@ -131,6 +131,7 @@ class EagerBackend:
     local_replicas = 1  # devices this process drives
     trains_in_place = True
     threaded = False
+    explain_compiles = "TORCH_LOGS=recompiles prints the cause of each compile"
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext, compiler: Compiler | None = None):
         self.cfg, self.ctx, self.compiler = cfg, ctx, compiler
@@ -244,6 +245,9 @@ class EagerBackend:
     def mark_warmup_done(self) -> None:
         if self.compiler:
             self.compiler.mark_warmup_done()
+
+    def compiles_after_warmup(self) -> int:
+        return self.compiler.stats()["compiles_after_warmup"] if self.compiler else 0
 
     def stats(self) -> BackendStats:
         cuda = self.device.type == "cuda"

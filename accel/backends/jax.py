@@ -321,6 +321,7 @@ class JaxBackend:
     pin_memory = False  # device_put stages host arrays itself
     trains_in_place = False  # arrays of its own; the torch module is traced, never run
     compiles_per_shape = True
+    explain_compiles = "JAX_EXPLAIN_CACHE_MISSES=1 prints the cause of each compile"
     threaded = True  # JAX's runtime runs threads of its own
     sharded_checkpoint = False  # one process holds every array it trains: one file
 
@@ -683,9 +684,15 @@ class JaxBackend:
     def mark_warmup_done(self) -> None:
         self.compiles_at_warmup = self.step_fn._cache_size()
 
+    def compiles_after_warmup(self) -> int:
+        if self.compiles_at_warmup is None:
+            return 0
+        # max: a step rebuilt on XLA's attention (cuDNN refused) starts a cache of its own
+        return max(0, self.step_fn._cache_size() - self.compiles_at_warmup)
+
     def stats(self) -> BackendStats:
         compiled = self.step_fn._cache_size()
-        after = 0 if self.compiles_at_warmup is None else compiled - self.compiles_at_warmup
+        after = self.compiles_after_warmup()
         events = self.monitor.snapshot()
         spent = {k: events[k] - self.compile_events_at_start[k] for k in events}
         hits = int(spent.pop("cache_hits"))

@@ -46,7 +46,6 @@ from accel.backends.base import (
     LossFn,
     MetricFn,
     ModelInit,
-    RecompileError,
     StepResult,
     Supports,
     split_batch,
@@ -230,6 +229,7 @@ class XlaBackend:
     pin_memory = False  # MpDeviceLoader stages host batches itself
     trains_in_place = True  # the model's own parameters, moved to the XLA device
     compiles_per_shape = True
+    explain_compiles = "PT_XLA_DEBUG_LEVEL=2 prints the cause of each compile"
     threaded = False
     sharded_checkpoint = False  # one process holds every array: one file
 
@@ -408,7 +408,6 @@ class XlaBackend:
 
     def step_done(self) -> None:
         torch_xla.sync()
-        self.check_recompiles()
 
     def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
         # Each handle is already materialised by its step's sync: a transfer, no new graph
@@ -536,27 +535,6 @@ class XlaBackend:
 
     def compiles_after_warmup(self) -> int:
         return 0 if self.compiles_at_warmup is None else compile_count() - self.compiles_at_warmup
-
-    def check_recompiles(self) -> None:
-        limit = self.cfg.compiler.max_recompiles
-        if limit >= 0 and self.compiles_after_warmup() > limit:
-            raise RecompileError(
-                f"{self.compiles_after_warmup()} graphs compiled after warm-up (limit "
-                f"{limit}): {self.recompile_cause()}"
-            )
-
-    def recompile_cause(self) -> str:
-        if len(self.input_shapes) > 1:
-            shapes = ", ".join(str(s[0]) for s in sorted(self.input_shapes))
-            return (
-                f"the batch shape changed between steps ({shapes}); keep shapes fixed "
-                "(drop_last for training, padded and masked evaluation batches)"
-            )
-        return (
-            "the traced step changed with fixed input shapes (a Python branch on a tensor "
-            "value, .item() inside the step, or a changing Python constant); "
-            "PT_XLA_DEBUG_LEVEL=2 prints the cause of each compile"
-        )
 
     def stats(self) -> BackendStats:
         compile_time = met.metric_data("CompileTime")

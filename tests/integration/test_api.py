@@ -293,3 +293,32 @@ def test_a_shard_mode_the_backend_lacks_is_refused_in_one_line():
         with pytest.raises(accel.AccelError, match="--shard grad_op is not supported by the xla"):
             accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="xla", shard="grad_op",
                           quiet=True)  # fmt: skip
+
+
+# --- the recompile limit: one policy, in the Engine, for every backend that compiles ---------
+RECOMPILE_LINE = (
+    "1 graphs compiled after warm-up (limit 0): the batch shapes changed between steps "
+    "([4, 3, 8, 8] [4], [8, 3, 8, 8] [8]); keep them fixed (a DataLoader's drop_last=True, "
+    "padded and masked evaluation batches)"
+)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("xla", "jax")])
+def test_the_recompile_limit_stops_xla_and_jax_alike_in_one_line(backend, capsys):
+    from accel.backends.base import RecompileError
+    from accel.config import BackendConfig, CompilerConfig
+
+    torch.manual_seed(0)
+    model = Net()
+    config = BackendConfig(backend, compiler=CompilerConfig(max_recompiles=0))
+    engine = accel.prepare(model, grouped(model, "sgd"), loss_fn, config=config, quiet=True)
+    data = batches(5, size=8)
+    for batch in data[:3]:  # xla: the first step's graph, its fetch's, the second step's
+        engine.fetch([engine.step(*batch)])
+    engine.mark_warmup_done()
+    engine.fetch([engine.step(*data[3])])  # warm: no compile
+    with pytest.raises(RecompileError) as err:
+        for size in (4, 2, 1):  # three new shapes: the first stops the run
+            engine.step(*(t[:size] for t in data[4]))
+    assert str(err.value) == RECOMPILE_LINE
+    assert "compiled again" not in capsys.readouterr().err  # the error, not a notice
