@@ -377,6 +377,47 @@ def grouped(model: nn.Module, kind: str) -> torch.optim.Optimizer:
 LR = {"adamw": 1e-2, "adam": 1e-2, "sgd": 0.1}
 
 
+# A batch of four tensors of four ranks, and a loss that reads every one.
+def four_tensor_batches(count: int = 3, size: int = 8) -> list[tuple]:
+    """Images [N, 3, 8, 8], soft targets [N, 5], per-sample weights [N] and masks [N, 8, 8]."""
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for images, labels in colour_batches(count, size):
+        targets = nn.functional.one_hot(labels, 5).float() * 0.9 + 0.02
+        weights = torch.rand(size, generator=g) + 0.5
+        masks = (torch.rand(size, 8, 8, generator=g) > 0.2).float()
+        out.append((images, targets, weights, masks))
+    return out
+
+
+def four_tensor_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    images, targets, weights, masks = batch
+    logits = model(images * masks[:, None])
+    per_sample = -(targets * logits.log_softmax(-1)).sum(-1)
+    return (weights * per_sample).sum() / weights.sum()
+
+
+def four_tensor_run(backend: str, devices: int = 1) -> tuple[list, list[float], list[str]]:
+    """The loader's batches' shapes and dtypes, the losses of three steps, and on an xla mesh
+    the sharding of each tensor of the first batch (torch_xla's public sharded view)."""
+    import accel
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine = accel.prepare(
+        model, optimizer, four_tensor_loss, backend=backend, devices=devices, quiet=True
+    )
+    loaded = list(engine.loader(four_tensor_batches()))
+    kept = [[(list(t.shape), str(t.dtype)) for t in batch] for batch in loaded]
+    split = []
+    if backend == "xla" and devices > 1:
+        import torch_xla.distributed.spmd as xs
+
+        split = [xs.wrap_if_sharded(t).sharding_spec for t in loaded[0]]
+    return kept, [r.loss for r in engine.fetch([engine.step(*b) for b in loaded])], split
+
+
 class HostReads(TorchFunctionMode):
     """Records every tensor method that hands a value to Python (a wait for the device)."""
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -191,14 +192,16 @@ def fallback_ops() -> dict[str, int]:
     return {name: met.counter_value(name) or 0 for name in met.executed_fallback_ops()}
 
 
-BATCH_KEYS = ("images", "targets", "erase")  # a host batch's tensors, in order
-
-
-def keyed_batches(batches: Iterable[Batch], shapes: set) -> Iterator[dict]:
-    """Host batches as MpDeviceLoader takes them (dicts), recording their shapes."""
+def keyed_batches(batches: Iterable[Batch], shapes: set) -> Iterator[dict[str, torch.Tensor]]:
+    """Host batches as MpDeviceLoader takes them (dicts: "0", "1", ... by position, every
+    tensor of the tuple whatever its rank), recording their shapes."""
     for batch in batches:
         shapes.add(tuple(tuple(t.shape) for t in batch))
-        yield dict(zip(BATCH_KEYS, batch, strict=False))
+        yield {str(i): t for i, t in enumerate(batch)}
+
+
+def unkeyed(batch: dict[str, torch.Tensor]) -> Batch:
+    return tuple(batch[str(i)] for i in range(len(batch)))
 
 
 class ParamGroups:
@@ -328,25 +331,32 @@ class XlaBackend:
         self.loss_fn = loss_fn
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        """On a mesh, each global batch reaches the devices split along the mesh's axis."""
+        """Every tensor of each batch on the device; on a mesh, each split along its first
+        axis over the mesh's axis (the tensors' ranks are read from the first batch)."""
+        keyed = keyed_batches(batches, self.input_shapes)
+        first = next(keyed, None)
+        if first is None:
+            return
         compiler = self.cfg.compiler
         loader = pl.MpDeviceLoader(
-            keyed_batches(batches, self.input_shapes),
+            itertools.chain([first], keyed),
             self.device,
             loader_prefetch_size=compiler.loader_prefetch,
             device_prefetch_size=compiler.device_prefetch,
             batches_per_execution=self.cfg.step.accum,
-            input_sharding=self.batch_sharding(),
+            input_sharding=self.batch_sharding(first),
         )
-        return (tuple(b[k] for k in BATCH_KEYS if k in b) for b in loader)
+        for batch in loader:
+            yield unkeyed(batch)
 
-    def batch_sharding(self) -> dict | None:
+    def batch_sharding(self, batch: dict[str, torch.Tensor]) -> dict | None:
         if not self.spmd:
             return None
-        dims = {"images": 4, "targets": 2, "erase": 3}
-        return {
-            k: xs.ShardingSpec(self.mesh, (self.axis,) + (None,) * (n - 1)) for k, n in dims.items()
-        }
+        return {key: xs.ShardingSpec(self.mesh, self.split_first(t)) for key, t in batch.items()}
+
+    def split_first(self, tensor: torch.Tensor) -> tuple[str | None, ...]:
+        """A batch tensor's partition spec: its first axis over the mesh's data axis."""
+        return (self.axis,) + (None,) * (tensor.dim() - 1)
 
     # --- the step -----------------------------------------------------------------------------
     def autocast(self):
@@ -453,14 +463,15 @@ class XlaBackend:
         self.reshard()
 
     def on_device(self, batch: Batch) -> Batch:
-        """A host batch on the device; on a mesh, its first tensor split along the mesh's axis
-        (batches from device_batches arrive split already)."""
+        """A host batch on the device; on a mesh, each tensor split along its first axis over
+        the mesh's axis (batches from device_batches arrive split already)."""
         if batch[0].device.type == "xla":
             return batch
         batch = tuple(t.to(self.device) for t in batch)
         if self.spmd:
-            images = batch[0]
-            xs.mark_sharding(images, self.mesh, (self.axis,) + (None,) * (images.dim() - 1))
+            for tensor in batch:
+                if tensor.dim():
+                    xs.mark_sharding(tensor, self.mesh, self.split_first(tensor))
         return batch
 
     # --- state --------------------------------------------------------------------------------

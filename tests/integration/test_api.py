@@ -4,6 +4,7 @@ with the command line, and each refusal as one line."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -23,8 +24,10 @@ from tests.helpers import (
     HAS_XLA,
     LR,
     Net,
+    four_tensor_run,
     grouped,
     micro_config,
+    run_python,
     steps_reading_nothing,
 )
 from tests.helpers import (
@@ -322,3 +325,38 @@ def test_the_recompile_limit_stops_xla_and_jax_alike_in_one_line(backend, capsys
             engine.step(*(t[:size] for t in data[4]))
     assert str(err.value) == RECOMPILE_LINE
     assert "compiled again" not in capsys.readouterr().err  # the error, not a notice
+
+
+# --- a batch is any tuple of tensors, of any rank, on every backend -----------------------------
+FOUR_TENSORS = [
+    [([8, 3, 8, 8], "torch.float32"), ([8, 5], "torch.float32"), ([8], "torch.float32"),
+     ([8, 8, 8], "torch.float32")]
+] * 3  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("eager", "xla", "jax")])
+def test_the_loader_keeps_every_tensor_of_a_batch_whatever_its_rank(backend):
+    kept, losses, _ = four_tensor_run(backend)
+    assert kept == FOUR_TENSORS
+    if backend == "eager":
+        assert losses[-1] < losses[0]
+    else:
+        assert losses == pytest.approx(four_tensor_run("eager")[1], **PARITY)
+
+
+@pytest.mark.xla
+def test_an_xla_mesh_splits_every_tensor_of_a_batch_along_its_first_axis():
+    """Two devices (a count XLA reads as it starts: a process of its own)."""
+    if not HAS_XLA:
+        pytest.skip("torch_xla is not installed")
+    code = (
+        "import json; from tests.helpers import four_tensor_run; "
+        "print(json.dumps(four_tensor_run('xla', devices=2)))"
+    )
+    done = run_python(code, env={"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "2"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    kept, losses, split = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [[tuple(s) for s in batch] for batch in kept] == FOUR_TENSORS
+    assert split == ["{devices=[2,1,1,1]0,1}", "{devices=[2,1]0,1}", "{devices=[2]0,1}",
+                     "{devices=[2,1,1]0,1}"]  # fmt: skip
+    assert losses == pytest.approx(four_tensor_run("eager")[1], **PARITY)
