@@ -542,6 +542,9 @@ class Engine:
         values kept beside them, read back by accel.checkpoint.read_meta."""
         path = Path(path)
         meta = {**(meta or {}), "world_size": self.replicas}
+        rates = self.rates.saved() if isinstance(self.rates, LearningRates) else None
+        if rates is not None:  # the user's optimizer's, which `load` puts back
+            meta["optimizer_lr"] = rates
         if extra is not None:
             meta["extra"] = extra
         sharded = self.sharded_checkpoint
@@ -553,12 +556,17 @@ class Engine:
         """Load a checkpoint written by `save` or by the command line (any backend, any layout),
         without unpickling anything but tensors; returns the `extra` it was saved with ({}
         where none). `rng`: restore the random generators too (default: where the saved run
-        had as many replicas, so their streams carry on)."""
+        had as many replicas, so their streams carry on). The optimizer given to `prepare`
+        takes back the learning rates its groups had when saved (a scheduler restored from
+        `extra` goes on from them); a scheduler given as `schedule` is stepped to the saved
+        step."""
         path = Path(path)
         meta = read_meta(path)
         if rng is None:
             rng = meta.get("world_size") == self.replicas
         load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=rng)
+        if isinstance(self.rates, LearningRates):
+            self.rates.restore(meta.get("optimizer_lr"), self.state.step)
         return dict(meta.get("extra", {}))
 
 

@@ -153,3 +153,30 @@ class LearningRates:
             first = self.base[0] or 1.0
             rates = [float(s(step)) * b / first for b in self.base]
         return [r * k for r, k in zip(rates, self.scales, strict=True)]
+
+    def user_optimizer(self) -> torch.optim.Optimizer | None:
+        if isinstance(self.schedule, torch.optim.lr_scheduler.LRScheduler):
+            return self.schedule.optimizer
+        return self.optimizer
+
+    def saved(self) -> list[float] | None:
+        """The user's optimizer's groups' rates as they stand: what a checkpoint keeps."""
+        optimizer = self.user_optimizer()
+        return None if optimizer is None else [float(g["lr"]) for g in optimizer.param_groups]
+
+    def restore(self, saved: list[float] | None, step: int) -> None:
+        """After loading a checkpoint saved at `step`, the user's optimizer's groups take the
+        rates they had (`saved`), which their own scheduler, restored from its state_dict, goes
+        on from. A scheduler given as `schedule` is stepped from its start as it was for the
+        saved run's last step instead, which leaves both it and the optimizer as they were."""
+        if isinstance(self.schedule, torch.optim.lr_scheduler.LRScheduler):
+            self(max(step - 1, 0))  # the rates of the step before `step`: the last one taken
+            return
+        optimizer = self.user_optimizer()
+        if saved is None or optimizer is None or len(saved) != len(optimizer.param_groups):
+            return
+        for group, rate in zip(optimizer.param_groups, saved, strict=True):
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(rate)
+            else:
+                group["lr"] = rate

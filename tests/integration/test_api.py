@@ -360,3 +360,44 @@ def test_an_xla_mesh_splits_every_tensor_of_a_batch_along_its_first_axis():
     assert split == ["{devices=[2,1,1,1]0,1}", "{devices=[2,1]0,1}", "{devices=[2]0,1}",
                      "{devices=[2,1,1]0,1}"]  # fmt: skip
     assert losses == pytest.approx(four_tensor_run("eager")[1], **PARITY)
+
+
+# --- load puts the saved learning rates back into the user's optimizer ------------------------
+def decayed_run(backend: str, steps: range, path: Path, accel_steps_it: bool) -> list[float]:
+    """SGD at 0.05 with a StepLR (x0.1 every 2 steps), stepped by the script once a step (or by
+    accel: schedule=scheduler); resumed from `path` where `steps` does not start at 0, saved
+    to it after the steps otherwise. The steps' losses."""
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.1)
+    schedule = scheduler if accel_steps_it else None
+    engine = accel.prepare(
+        model, optimizer, loss_fn, backend=backend, schedule=schedule, quiet=True
+    )
+    if steps.start:
+        extra = engine.load(path)
+        scheduler.load_state_dict(extra["scheduler"])
+        assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([5e-3])
+    data = batches(steps.stop)
+    losses = []
+    for step in steps:
+        losses.append(engine.fetch([engine.step(*data[step])])[0].loss)
+        if not accel_steps_it:
+            scheduler.step()
+    if not steps.start:
+        engine.save(path, extra={"scheduler": scheduler.state_dict()})
+    return losses
+
+
+@pytest.mark.parametrize(
+    ("backend", "accel_steps_it"),
+    [(b, False) for b in BACKENDS if b in ("eager", "xla", "jax")] + [("eager", True)],
+)
+def test_a_resumed_run_takes_the_saved_learning_rates(tmp_path, backend, accel_steps_it):
+    """Saved at 0.005 after a decay, loaded into a fresh optimizer and scheduler: the rates are
+    the saved ones, and the steps' losses an uninterrupted run's."""
+    whole = decayed_run(backend, range(6), tmp_path / "whole.pt", accel_steps_it)
+    decayed_run(backend, range(3), tmp_path / "half.pt", accel_steps_it)
+    resumed = decayed_run(backend, range(3, 6), tmp_path / "half.pt", accel_steps_it)
+    assert resumed == pytest.approx(whole[3:], **PARITY)
