@@ -30,6 +30,7 @@ import sys
 import time
 import traceback
 import warnings
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -227,6 +228,8 @@ def prepare(
     engine = Engine(runner, ctx, rates, cfg.step.accum, decay, state)
     engine.max_recompiles = cfg.compiler.max_recompiles
     engine.model_given = model
+    if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
+        TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
     return engine
 
 
@@ -312,6 +315,9 @@ class Engine:
         self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
         self.max_recompiles = -1  # graphs compiled after warm-up before a step stops (-1: any)
+        self.changes = 0  # steps and loads so far: what changed the trained weights
+        self.synced = 0  # the changes the given model holds (sync_model)
+        self.reading = False  # the engine reads the given model: its read hooks stand by
 
     @property
     def steps_done(self) -> int:
@@ -393,6 +399,7 @@ class Engine:
             handle = self.runner.train_step(micro_batches, self.lr, decay)
         before, self.shapes = self.shapes, shapes
         self.state.step = done + 1
+        self.changes += 1
         new = shapes not in self.shapes_seen  # a compiling backend compiled the step for them
         self.shapes_seen.add(shapes)
         self.check_recompiles()  # past the limit: the error, not the notice
@@ -486,17 +493,26 @@ class Engine:
 
     def dtypes(self) -> dict[str, torch.dtype]:
         model = self.model_given
-        return {} if model is None else {n: t.dtype for n, t in model.state_dict().items()}
+        if model is None:
+            return {}
+        reading, self.reading = self.reading, True
+        try:
+            return {n: t.dtype for n, t in model.state_dict().items()}
+        finally:
+            self.reading = reading
 
     def sync_model(self) -> nn.Module:
         """Your model, holding the trained weights; returns it. On eager, compile and xla it is
         the module trained (moved to the device), so this changes nothing; jax trains arrays of
-        its own and copies them in here. Call it on every rank."""
+        its own and copies them in here, and whenever the script reads that model (its
+        state_dict() or its forward: TrainedOnRead). Call it on every rank."""
         model = self.model_given
         if model is None:
             raise AccelError("this engine was given no model to sync")
         if not self.runner.trains_in_place:
+            changes = self.changes
             model.load_state_dict(self.state_dict())
+            self.synced = changes
         return model
 
     def any_rank(self, flag: bool) -> bool:
@@ -565,9 +581,37 @@ class Engine:
         if rng is None:
             rng = meta.get("world_size") == self.replicas
         load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=rng)
+        self.changes += 1
         if isinstance(self.rates, LearningRates):
             self.rates.restore(meta.get("optimizer_lr"), self.state.step)
         return dict(meta.get("extra", {}))
+
+
+class TrainedOnRead:
+    """Where the backend trains arrays of its own (jax), the model a script gave `prepare` reads
+    as the trained one: its state_dict() and its forward first copy the trained weights in
+    (Engine.sync_model), once after each step or load. Torch's public module hooks, on the
+    model itself (not its submodules); the engine is held weakly, so the model does not keep it
+    alive."""
+
+    def __init__(self, engine: Engine, model: nn.Module):
+        self.engine = weakref.ref(engine)
+        model.register_state_dict_pre_hook(self.before_state_dict)
+        model.register_forward_pre_hook(self.before_forward)
+
+    def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.sync()
+
+    def before_forward(self, module: nn.Module, args: tuple) -> None:
+        # The backend traces the model on tensors of its own (torchax's, on the "jax" device),
+        # with the weights it hands the trace: nothing to copy in then.
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "jax" for a in args):
+            self.sync()
+
+    def sync(self) -> None:
+        engine = self.engine()
+        if engine is not None and not engine.reading and engine.synced != engine.changes:
+            engine.sync_model()
 
 
 class LoopPart(Protocol):

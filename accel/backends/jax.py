@@ -380,6 +380,9 @@ class JaxBackend:
     ) -> None:
         model = whole(model, init)
         self.module = model  # torch side: names, shapes, checkpoint layout; traced, never run
+        # Its tensors' names and dtypes (fp32 weights, int64 indices; JAX keeps int32), read
+        # once: the Engine keeps the user's model current when its state_dict() is read.
+        self.state_dtypes = {k: t.dtype for k, t in model.state_dict().items()}
         inner = getattr(model, "model", model)  # a timm model behind accel's normalisation
         self.model_label = (
             getattr(inner, "default_cfg", {}).get("architecture") or type(inner).__name__
@@ -639,10 +642,7 @@ class JaxBackend:
     # --- state: by the torch model's parameter names, as the torch backends keep it --------
     def checkpoint_state(self) -> dict[str, Any]:
         values = {**self.buffers, **self.params}
-        # The torch module's own dtypes (fp32 weights, int64 indices; JAX keeps int32).
-        model = {
-            k: to_torch(values[k]).to(ref.dtype) for k, ref in self.module.state_dict().items()
-        }
+        model = {k: to_torch(values[k]).to(dtype) for k, dtype in self.state_dtypes.items()}
         out = {"model": model, "optim": self.optimizer.to_torch(self.opt_state)}
         if self.ema:
             out["ema"] = {n: to_torch(self.ema[n]).float() for n in self.param_names}

@@ -102,6 +102,24 @@ def test_sync_model_puts_the_trained_weights_in_the_users_model(backend):
     assert set(ema) == set(weights) and any(not torch.equal(ema[n], weights[n]) for n in ema)
 
 
+@pytest.mark.jax
+def test_the_users_own_model_reads_the_trained_weights_on_jax():
+    """jax trains arrays of its own: the model the script gave prepare still reads as the
+    trained one, through its state_dict() (what `torch.save(model.state_dict())` saves) and its
+    forward, with no sync_model() call."""
+    engine, model = trained("jax", "own", steps=3)
+    weights = engine.state_dict()
+    saved = model.state_dict()
+    assert saved.keys() == weights.keys()
+    assert all(torch.equal(saved[n], weights[n]) for n in weights)
+    images = batches(1, seed=5)[0][0]
+    model.eval()
+    with torch.no_grad():
+        assert model(images) == pytest.approx(engine.model(images), rel=1e-4, abs=1e-5)
+    engine.fetch([engine.step(*batches(1, seed=6)[0])])  # trained further: read again
+    assert all(torch.equal(model.state_dict()[n], t) for n, t in engine.state_dict().items())
+
+
 def loss_with_accuracy(model: nn.Module, batch: tuple):
     images, labels = batch
     logits = model(images)
