@@ -53,7 +53,7 @@ SUPPORTS = Supports(
 def require() -> None:
     """Eager needs nothing beyond torch; on a CUDA GPU, torch's accelerator must still be CUDA."""
     accelerator = torch.accelerator.current_accelerator()
-    refusal = cuda_refusal(torch.cuda.is_available(), accelerator and accelerator.type)
+    refusal = cuda_refusal(torch.cuda.is_available(), accelerator.type if accelerator else None)
     if refusal:
         raise BackendUnavailable(refusal)
 
