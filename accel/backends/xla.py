@@ -21,7 +21,8 @@ and the update. PJRT CPU's multi-process collectives do not reliably meet, so th
 tested here.
 
 The XLA runtime must start before the first autograd backward of the process (the autograd engine
-sizes its per-device queues then): run eager and xla in separate processes, or xla first.
+sizes its per-device queues then): run eager and xla in separate processes, or xla first; a process
+whose first backward ran before is refused in one line (check_autograd).
 """
 
 from __future__ import annotations
@@ -172,6 +173,25 @@ def start_spmd(devices: int) -> None:
         raise ConfigError(f"--nproc_per_node {devices}: the XLA runtime sees {found} devices")
 
 
+def check_autograd(device: torch.device) -> None:
+    """torch's autograd engine sizes its per-device queues once, at the process's first
+    backward: one run before XLA's runtime started left none for XLA, and every XLA backward
+    would then fail with an INTERNAL ASSERT. A backward through one lazy scalar tells (nothing
+    is compiled or run: its gradient is never synced)."""
+    probe = torch.zeros((), device=device, requires_grad=True)
+    try:
+        (probe * 2.0).backward()
+    except RuntimeError as err:
+        if "device_ready_queues_" not in str(err):
+            raise
+        raise ConfigError(
+            "the xla backend must start before the first backward of the process (torch's "
+            "autograd engine ran one on the CPU before XLA's runtime started, and has no queue "
+            "for XLA now): call accel.prepare(..., backend='xla') or torch_xla.device() before "
+            "the first loss.backward(), or train on xla in a fresh process"
+        ) from None
+
+
 def init_compile_cache(path: Path, readonly: bool) -> bool:
     """Set the persistent cache before the first computation, once per process; False where the
     device cannot use one (PJRT CPU cannot deserialise executables)."""
@@ -242,6 +262,7 @@ class XlaBackend:
         self.persistent_cache = init_compile_cache(cache, not ctx.is_main)
         self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_xla.device()
+        check_autograd(self.device)
         self.data_parallel = (ctx.rank, ctx.world_size)
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed

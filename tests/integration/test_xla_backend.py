@@ -8,7 +8,7 @@ from accel.backends.xla import check_versions, compile_count
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.distributed import DistContext
-from tests.helpers import job_backend, micro_config, run_cli_without, train
+from tests.helpers import job_backend, micro_config, run_cli_without, run_python, train
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
 # Ops the step may run outside the graph, and why. None are needed for timm ViT/Swin with our step.
@@ -95,6 +95,34 @@ def test_versions_that_do_not_pair_are_named():
     check_versions("2.9.0+cu128", "2.9.0")
     with pytest.raises(BackendUnavailable, match=r"torch 2\.10\.1 .* torch_xla 2\.9\.0"):
         check_versions("2.10.1", "2.9.0")
+
+
+BACKWARD_FIRST = """
+import torch
+w = torch.ones(2, requires_grad=True)
+(w * 2).sum().backward()  # a plain CPU backward, before XLA's runtime started
+import accel
+from tests.helpers import Net, api_loss_fn, colour_batches, grouped
+model = Net()
+try:
+    engine = accel.prepare(model, grouped(model, "sgd"), api_loss_fn, backend="xla", quiet=True)
+    print("trained:", engine.fetch([engine.step(*colour_batches(1)[0])]))
+except accel.AccelError as err:
+    print("refused:", err)
+"""
+
+
+@XLA
+def test_a_cpu_backward_before_xla_starts_is_refused_in_one_line_by_prepare():
+    """torch's autograd engine sizes its device queues at the process's first backward: one run
+    before XLA's runtime started leaves every XLA backward to fail with a 20-line INTERNAL
+    ASSERT. The suite's process started XLA at collection: a fresh interpreter shows it."""
+    done = run_python(BACKWARD_FIRST, env={"PJRT_DEVICE": "CPU"})
+    assert "INTERNAL ASSERT" not in done.stderr, done.stderr[-3000:]
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = done.stdout.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("refused: "), done.stdout
+    assert "before the first backward" in out[0] and "fresh process" in out[0]
 
 
 def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
