@@ -70,6 +70,7 @@ STARTERS = (
     helpers.run_python,
     helpers.run_cli_without,
     helpers.nan_rank,
+    helpers.train_ranks,
 )
 STARTER_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "nbclient")
 
@@ -217,6 +218,9 @@ def pytest_configure(config):
     platform = helpers.jax_platform_default(config.option.markexpr, torch.cuda.is_available())
     if platform:
         os.environ.setdefault("JAX_PLATFORMS", platform)
+    # The ranks the suite starts through torch.multiprocessing fork from one server that has
+    # imported torch, timm and accel once (helpers.train_ranks), whoever starts it first.
+    torch.multiprocessing.set_forkserver_preload(helpers.RANK_PRELOAD)
 
 
 NO_JAX_GPU = (

@@ -117,6 +117,73 @@ def as_a_command(env: dict | None, argv: list[str] | None = None):
         sys.argv = saved_argv
 
 
+# What every rank imports, imported once by the ranks' fork server (see train_ranks).
+RANK_PRELOAD = ["torch", "timm", "accel.cli.launch", "accel.cli.train", "tests.helpers"]
+
+
+def train_ranks(
+    output: Path, *args: str, env: dict | None = None, timeout: int = 900
+) -> tuple[dict, str]:
+    """train_cli's run for a job whose subject is its losses, not its launcher: each of the
+    `--nproc_per_node` ranks is what torchrun would start (launch_single_task's main with RANK,
+    LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set), forked by torch.multiprocessing
+    from a fork server that imported torch, timm and accel once (set_forkserver_preload, made
+    for this), instead of each rank and the launcher being a fresh interpreter paying those
+    imports. Rank 0 speaks for the job, as the launcher does: its summary.json and stdout.
+    The launcher's own behaviour (its flags, rendezvous, two nodes, signals) is tested through
+    torchrun, with train_cli and run_cli."""
+    import torch.multiprocessing as mp
+
+    argv = [*args, "--output", str(output), "--run_name", "r"]
+    ranks = int(argv[argv.index("--nproc_per_node") + 1])
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(RANK_PRELOAD)
+    port = str(free_port())
+    logs = [Path(output) / f"rank-{rank}.log" for rank in range(ranks)]
+    Path(output).mkdir(parents=True, exist_ok=True)
+    processes = [
+        context.Process(target=run_rank, args=(rank, ranks, port, argv, env or {}, str(log)))
+        for rank, log in enumerate(logs)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        for process in processes:
+            process.join(timeout)
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.kill()
+                process.join()
+    codes = [process.exitcode for process in processes]
+    output_of = [log.read_text() for log in logs]
+    assert codes == [0] * ranks, (codes, [text[-3000:] for text in output_of])
+    return read_summary(output), output_of[0]
+
+
+def run_rank(rank: int, ranks: int, port: str, argv: list[str], env: dict, log: str) -> None:
+    """One rank of train_ranks, in a process of the fork server's: stdout and stderr to `log`
+    (the file descriptors, so that what torch's C++ prints goes there too)."""
+    from accel.cli.launch import main
+
+    # As torchrun does for several ranks on one host: one thread each (torch was imported by
+    # the fork server, before this variable could reach its thread pool).
+    torch.set_num_threads(1)
+    os.environ.update(env)
+    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
+    os.environ.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
+    with open(log, "w") as out:
+        os.dup2(out.fileno(), 1)
+        os.dup2(out.fileno(), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    code = main(argv)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)  # multiprocessing makes it the process's exit code
+
+
 def train(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
     """train_cli's run in this process: a run named 'r' that must succeed, its summary.json and
     stdout."""

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import train, train_cli
+from tests.helpers import train, train_ranks
 
 # Two micro-steps a step (FSDP's reduce-scatter skipped on the first) and clipping on (the
 # global norm over the shards): both would change the losses if done per shard.
@@ -30,7 +30,7 @@ def eager_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     for shard in ("none", "full"):
         output = tmp_path_factory.mktemp(f"eager-{shard}")
         job = (*SHARD_JOB, "--nproc_per_node", "2", "--shard", shard)
-        runs[shard] = output, train_cli(output, *job)[0]
+        runs[shard] = output, train_ranks(output, *job)[0]
     return runs
 
 
@@ -46,6 +46,6 @@ def tp_runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
     out = {}
     for name, extra in jobs.items():
         output = tmp_path_factory.mktemp(name)
-        run = train if not extra else train_cli  # one process: in this one
+        run = train if not extra else train_ranks  # one process: in this one
         out[name] = (output, *run(output, *TP_JOB, *extra))
     return out

@@ -36,7 +36,8 @@ def _ddp_worker(rank: int, world: int, init_file: str, tmp_path, out_file: str) 
 
 def test_two_process_ddp_gradients_equal_one_process_on_the_whole_batch(tmp_path):
     out_file = tmp_path / "ddp_grads.pt"
-    mp.spawn(_ddp_worker, args=(2, str(tmp_path / "init"), tmp_path, str(out_file)), nprocs=2)
+    args = (2, str(tmp_path / "init"), tmp_path, str(out_file))
+    mp.start_processes(_ddp_worker, args=args, nprocs=2, start_method="forkserver")
     ddp = torch.load(out_file)
     single = _gradients(tmp_path, DistContext(), [_batch()])
     assert ddp.keys() == single.keys()

@@ -15,7 +15,7 @@ import torch
 import accel
 from accel.config import ConfigError
 from tests.api_tensor_parallel import MlpNet, build
-from tests.helpers import api_loss_fn, run_module, train, train_cli
+from tests.helpers import api_loss_fn, run_module, train, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
     out["single"] = (single, *train(single, *JOB))
     for name, extra in LAYOUTS.items():
         output = tmp_path_factory.mktemp(name.replace(" ", "-").replace("+", "-"))
-        out[name] = (output, *train_cli(output, *JOB, *extra))
+        out[name] = (output, *train_ranks(output, *JOB, *extra))
     return out
 
 
@@ -81,7 +81,7 @@ def _checkpoint(output: Path, step: int) -> Path:
 def test_tensor_by_pipeline_checkpoint_loads_at_data_4_and_in_one_process(runs, tmp_path):
     output, split, _ = runs["tp2xpp2"]
     resume = ("--resume", str(_checkpoint(output, 6)))
-    data4, _ = train_cli(tmp_path / "dp4", *JOB, *FOUR, "--batch_size", "2", *resume)
+    data4, _ = train_ranks(tmp_path / "dp4", *JOB, *FOUR, "--batch_size", "2", *resume)
     one, _ = train(tmp_path / "one", *JOB, *resume)
     for run in (data4, one):
         np.testing.assert_allclose(run["eval_loss"], split["eval_loss"], rtol=1e-5)

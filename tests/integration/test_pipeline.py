@@ -18,7 +18,7 @@ from tests.helpers import (
     read_summary,
     same_state,
     train,
-    train_cli,
+    train_ranks,
 )
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,7 @@ PIPELINE = ("--nproc_per_node", "2", "--pp", "2")
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
     """The job; in this process where it is one process, through the command line otherwise."""
     several = "--nproc_per_node" in extra
-    return (train_cli if several else train)(output, *JOB, *extra)
+    return (train_ranks if several else train)(output, *JOB, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_a_non_finite_step_is_skipped_on_every_stage(tmp_path, one_white_image, 
         pp=2,
         pp_microbatches=2,
     )
-    mp.start_processes(nan_rank, args=(cfg, free_port()), nprocs=2, start_method="spawn")
+    mp.start_processes(nan_rank, args=(cfg, free_port()), nprocs=2, start_method="forkserver")
     summary = read_summary(tmp_path)
     steps = summary["nonfinite_steps"]
     assert len(steps) == 2 and summary["steps"] == 8

@@ -14,7 +14,7 @@ import numpy as np
 import psutil
 import pytest
 
-from tests.helpers import train_cli
+from tests.helpers import train_cli, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -25,6 +25,12 @@ PP4 = ("--nproc_per_node", "4", "--pp", "4", "--pp_microbatches", "8")
 # Every schedule trains the unsplit losses in test_pipeline.py; at scale the question is memory,
 # asked of one schedule with one stage a rank and of the interleaved one with two.
 SCHEDULES = ("1f1b", "interleaved")
+
+
+def _train(output: Path, *args: str) -> tuple[dict, str]:
+    """A run of several ranks from the suite's fork server (train_ranks); the one-process run in
+    a process of its own, whose peak memory is its run's alone."""
+    return (train_ranks if "--nproc_per_node" in args else train_cli)(output, *args)
 
 
 def _grown(summary: dict) -> list[int]:
@@ -74,7 +80,7 @@ def vitl(scratch) -> dict[str, tuple[Path, dict]]:
     runs = {}
     for name, extra in jobs.items():
         output = scratch(f"vitl-{name}")
-        runs[name] = output, train_cli(output, *VITL, *extra)[0]
+        runs[name] = output, _train(output, *VITL, *extra)[0]
         resumed = _checkpoint(output, "vit_large_patch16_224", 1) if name == "1f1b" else None
         _drop_checkpoints(output, keep=resumed)
     return runs
@@ -95,7 +101,7 @@ def test_vit_large_pipeline_resumes_bit_for_bit_within_the_same_memory(vitl, scr
     _, single = vitl["single"]
     resume = ("--resume", str(_checkpoint(output, "vit_large_patch16_224", 1)))
     folder = scratch("vitl-resumed")
-    resumed, _ = train_cli(folder, *VITL, *PP4, "--pp_schedule", "1f1b", *resume)
+    resumed, _ = _train(folder, *VITL, *PP4, "--pp_schedule", "1f1b", *resume)
     _drop_checkpoints(folder)
     _drop_checkpoints(output)  # the step-1 checkpoint, resumed
     assert resumed["losses"] == piped["losses"]
@@ -113,11 +119,11 @@ TP += ("--nproc_per_node", "2", "--tp_head", "2")
 def test_a_million_class_head_split_in_two_saves_and_loads_in_under_06_of_its_state(scratch):
     whole = 16 * CLASSES * (WIDTH + 1)  # --tp_head 1: weights, gradients, two moments, fp32
     folder = scratch("million")
-    saved, _ = train_cli(folder / "saved", *TP, "--steps", "1")
+    saved, _ = _train(folder / "saved", *TP, "--steps", "1")
     checkpoint = _checkpoint(folder / "saved", "vit_micro_wide", 1)
     assert checkpoint.is_dir() and saved["state_bytes"]["classifier"] == whole // 2
     assert max(_grown(saved)) <= 0.6 * whole, _grown(saved)
-    loaded, _ = train_cli(folder / "loaded", *TP, "--steps", "2", "--resume", str(checkpoint))
+    loaded, _ = _train(folder / "loaded", *TP, "--steps", "2", "--resume", str(checkpoint))
     _drop_checkpoints(folder / "saved")
     _drop_checkpoints(folder / "loaded")
     assert loaded["losses"][0] == saved["losses"][0] and len(loaded["losses"]) == 2

@@ -31,6 +31,7 @@ from tests.helpers import (
     read_summary,
     run_cli,
     train_cli,
+    train_ranks,
     xla_flags,
 )
 from tests.shared_runs import SHARD_JOB
@@ -41,7 +42,10 @@ JOB = SHARD_JOB
 
 
 def _run(output: Path, *extra: str, env: dict | None = None) -> dict:
-    return train_cli(output, *JOB, *extra, env=env)[0]
+    """The job: eager's and compile's ranks from the fork server (train_ranks); jax's devices,
+    counted as its process starts, in a process of their own."""
+    run = train_cli if "jax" in extra else train_ranks
+    return run(output, *JOB, *extra, env=env)[0]
 
 
 def _state_bytes(summary: dict) -> int:
@@ -144,7 +148,7 @@ def test_a_non_finite_step_leaves_the_sharded_state_untouched(tmp_path, one_whit
     cfg = nan_config(
         tmp_path, "eager", one_white_image, nan_policy="skip", shard="full", nproc_per_node=2
     )
-    mp.start_processes(nan_rank, args=(cfg, free_port()), nprocs=2, start_method="spawn")
+    mp.start_processes(nan_rank, args=(cfg, free_port()), nprocs=2, start_method="forkserver")
     summary = read_summary(tmp_path)
     steps = summary["nonfinite_steps"]
     assert len(steps) == 2 and summary["steps"] == 4 and summary["shard"] == "full"

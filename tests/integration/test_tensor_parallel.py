@@ -17,7 +17,7 @@ from accel.config import MeshConfig
 from accel.distributed import destroy_process_group
 from accel.parallel import tp_head
 from accel.parallel.mesh import MeshAxis, ParallelDims
-from tests.helpers import checkpoint_tensors, train, train_cli
+from tests.helpers import checkpoint_tensors, train, train_ranks
 from tests.shared_runs import TP_JOB
 
 pytestmark = pytest.mark.slow
@@ -26,7 +26,7 @@ JOB = TP_JOB
 
 
 def _run(output: Path, *extra: str) -> tuple[dict, str]:
-    return train_cli(output, *JOB, *extra)
+    return train_ranks(output, *JOB, *extra)
 
 
 @pytest.fixture
@@ -149,7 +149,7 @@ def _million_class_rank(rank: int, port: int, result: Path) -> None:
 
 def test_a_million_classes_split_in_two_never_makes_full_logits(tmp_path, free_port):
     args = (free_port(), tmp_path)
-    mp.start_processes(_million_class_rank, args=args, nprocs=2, start_method="spawn")
+    mp.start_processes(_million_class_rank, args=args, nprocs=2, start_method="forkserver")
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     classes = 1_000_000
     for r in ranks:
