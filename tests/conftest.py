@@ -203,6 +203,16 @@ def command_files(tmp_path_factory):
     helpers.Command.folder = tmp_path_factory.mktemp("commands")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def compile_caches(tmp_path_factory):
+    """One folder of JAX's and torch_xla's persistent caches for the run, inherited by every
+    command it starts (ACCEL_COMPILE_CACHE, where each run's own output folder would hold its
+    own): a test reuses what an earlier test of the run compiled, and a run starts cold, as on
+    a fresh machine. Inductor's cache is one folder already (TORCHINDUCTOR_CACHE_DIR's default,
+    shared by every run on the machine, and cold on a fresh one)."""
+    os.environ.setdefault("ACCEL_COMPILE_CACHE", str(tmp_path_factory.mktemp("compile-cache")))
+
+
 @pytest.fixture(scope="session")
 def free_port():
     """free_port() is a TCP port on 127.0.0.1 nothing listens on, a new one each call: two runs

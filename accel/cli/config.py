@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -100,7 +101,9 @@ class CompilerConfig:
         -1, "stop when more graphs than this compile after warm-up (-1: no limit)", min=-1
     )
     compile_cache: str = option(
-        "", "persistent compilation cache folder (default OUTPUT/.compile_cache/BACKEND)"
+        "",
+        "persistent compilation cache folder (default ACCEL_COMPILE_CACHE/BACKEND where that is "
+        "set, else OUTPUT/.compile_cache/BACKEND)",
     )
     loader_prefetch: int = option(8, "host batches queued ahead of the device transfer", min=1)
     device_prefetch: int = option(4, "batches already on the device ahead of the step", min=1)
@@ -186,8 +189,14 @@ class RunConfig:
     )
 
     def compile_cache_dir(self) -> Path:
-        cache = self.compiler.compile_cache
-        return Path(cache or Path(self.output) / ".compile_cache" / str(self.backend))
+        """--compile_cache, else ACCEL_COMPILE_CACHE/BACKEND (one folder for many runs' outputs,
+        so that a run reuses what another compiled), else OUTPUT/.compile_cache/BACKEND."""
+        shared = os.environ.get("ACCEL_COMPILE_CACHE", "").strip()
+        if self.compiler.compile_cache:
+            return Path(self.compiler.compile_cache)
+        if shared:
+            return Path(shared) / str(self.backend)
+        return Path(self.output) / ".compile_cache" / str(self.backend)
 
     def run_dir(self) -> Path:
         return Path(self.output) / self.model.name / str(self.backend) / self.run_name

@@ -109,6 +109,7 @@ def _first_step_launch(output: Path) -> dict:
     result = run_cli(
         *("--backend", "jax", "--model", "swin_micro", "--steps", "2", "--batch_size", "8"),
         *("--workers", "0", "--no-eval", "--output", str(output)),
+        env={"ACCEL_COMPILE_CACHE": ""},  # the default folder, as a user has it: not the suite's
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return read_summary(output)
