@@ -74,6 +74,7 @@ from accel.config import (
     ShardMode,
     StepConfig,
 )
+from accel.data import fork_server
 from accel.distributed import DistContext, init_process_group
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.parallel.fsdp import full_value
@@ -184,6 +185,8 @@ def prepare(
         StepConfig, MeshConfig and CompilerConfig: the split classifier, the pipeline, remat,
         compile cache and recompile limits among them); the keywords above then stay unset.
     """
+    if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
+        raise AccelError("prepare runs as the script is imported: call it under its main guard")
     mesh = (devices, shard, tp, tp_plan, pp)
     given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, mesh, seed, attention)
     if config is not None and given != keyword_config(*KEYWORD_DEFAULTS):
@@ -215,8 +218,10 @@ def prepare(
     if runner.threaded and multiprocessing.get_start_method(allow_none=True) is None:
         # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and
         # Python warns of it: the script's DataLoaders start theirs from a fork server (Python
-        # 3.14's default on Linux), unless the script chose a start method itself.
+        # 3.14's default on Linux), unless the script chose a start method itself. The server
+        # imports torch and the script once, not each worker of each pass.
         multiprocessing.set_start_method("forkserver")
+        fork_server.preload()
     runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
         print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
@@ -372,6 +377,7 @@ class Engine:
         side stream on CUDA, sharded device puts on jax). Under several processes each rank
         must read its own part of the data: a DataLoader needs a DistributedSampler."""
         check_sharded(batches, self.data_ranks)
+        check_workers(batches)
         return self.runner.device_batches(tuple(b) for b in batches)
 
     def step(self, *batch: Any) -> Any:
@@ -456,6 +462,7 @@ class Engine:
         on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
         of them)."""
         check_sharded(batches, self.data_ranks)
+        check_workers(batches)
         with user_errors("evaluation"):
             return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
 
@@ -635,6 +642,13 @@ class StepCount:
 
     def load_state_dict(self, state: dict) -> None:
         self.step = int(state["step"])
+
+
+def check_workers(batches: Iterable) -> None:
+    """A DataLoader's workers can start (its fork server started on this thread)."""
+    problem = fork_server.workers_problem(batches)
+    if problem:
+        raise AccelError(problem)
 
 
 def check_sharded(batches: Iterable, ranks: int) -> None:

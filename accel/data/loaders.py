@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing
-import os
 import random
 from collections.abc import Iterator, Sized
 from multiprocessing import forkserver
@@ -15,6 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
+from accel.data import fork_server
 from accel.data.augment import erase_boxes
 from accel.data.collate import TrainCollate, eval_collate
 from accel.data.config import DataConfig
@@ -26,7 +26,7 @@ from accel.data.folder import (
     eval_transform,
     train_transform,
 )
-from accel.data.lifetime import PARENT, worker_init
+from accel.data.lifetime import worker_init
 from accel.data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from accel.data.synthetic import SyntheticImages
 
@@ -110,8 +110,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     the workers it forks, exit when their parent dies (data/lifetime.py)."""
     context = multiprocessing.get_context("forkserver")
     # The lifetime preload first: torch takes seconds to import, and the trainer may die meanwhile.
-    context.set_forkserver_preload(["accel.data.forkserver_preload", "torch", "accel.data.loaders"])
-    os.environ[PARENT] = str(os.getpid())
+    fork_server.preload("accel.data.loaders")
     # Started here, by the thread that builds the loader (the trainer's main one): the kernel
     # signals a child when the *thread* that started it ends, and a loader may first be
     # iterated by a short-lived prefetching thread.

@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from accel.data import fork_server
 from accel.data.config import DataConfig, MixupConfig
 from accel.data.loaders import build_eval_loader, build_train_loader
 from accel.data.sampling import PaddedEvalBatchSampler, ShardedBatchSampler
@@ -86,3 +87,20 @@ def test_eval_batches_are_padded_and_masked():
     assert sum(counts) == 21
     assert shapes == {(4, 3, 32, 32)}
     assert len(PaddedEvalBatchSampler(21, 4, 0, 2)) == len(PaddedEvalBatchSampler(21, 4, 1, 2))
+
+
+@pytest.mark.parametrize(
+    ("source", "found"),
+    [
+        ('import torch\n\nif __name__ == "__main__":\n    main()\n', True),
+        ("if '__main__' == __name__:\n    main()\n", True),
+        ("import torch\n\nmain()\n", False),
+        ("def main():\n    if __name__ == '__main__':\n        pass\n", False),  # not top-level
+        ("if __name__ != '__main__':\n    pass\n", False),
+        ("def main(:\n", None),  # not Python: nothing known
+    ],
+)
+def test_a_scripts_main_guard_is_found(tmp_path, source, found):
+    script = tmp_path / "train.py"
+    script.write_text(source)
+    assert fork_server.guarded(str(script)) is found
