@@ -9,8 +9,10 @@ nothing of the command line (its options live in accel/cli/config.py and are tur
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, get_args
 
 BackendName = Literal["eager", "compile", "xla", "jax"]
@@ -79,6 +81,13 @@ class MeshConfig:
     pp_schedule: PipelineSchedule = "1f1b"
     pp_microbatches: int = 4
     rdzv_timeout: int = 300  # seconds jax's processes wait for each other
+
+
+def shared_compile_cache(backend: str) -> Path | None:
+    """ACCEL_COMPILE_CACHE/BACKEND, where that variable names one folder for many runs' compiled
+    programs (a test suite, a sweep); None where it is unset."""
+    shared = os.environ.get("ACCEL_COMPILE_CACHE", "").strip()
+    return Path(shared) / backend if shared else None
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,7 @@ from accel.config import (
     MeshConfig,
     ShardMode,
     StepConfig,
+    shared_compile_cache,
 )
 from accel.data import fork_server
 from accel.distributed import DistContext, init_process_group
@@ -86,9 +87,10 @@ EmaDecayFn = Callable[[int], float]  # the EMA decay by the optimizer steps done
 
 
 def cache_dir(backend: str) -> Path:
-    """Where compiled programs persist between runs (JAX's persistent cache)."""
+    """Where compiled programs persist between runs (JAX's and torch_xla's persistent caches):
+    ACCEL_COMPILE_CACHE/BACKEND where that is set, else the user's cache folder."""
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return root / "accel" / backend
+    return shared_compile_cache(backend) or root / "accel" / backend
 
 
 def env_int(name: str, default: int) -> int:

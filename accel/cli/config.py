@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from accel.config import (
     PP_SCHEDULES,
     SHARD_MODES,
     ConfigError,
+    shared_compile_cache,
 )
 from accel.data.config import DataConfig
 from accel.models.factory import ModelConfig
@@ -191,12 +191,10 @@ class RunConfig:
     def compile_cache_dir(self) -> Path:
         """--compile_cache, else ACCEL_COMPILE_CACHE/BACKEND (one folder for many runs' outputs,
         so that a run reuses what another compiled), else OUTPUT/.compile_cache/BACKEND."""
-        shared = os.environ.get("ACCEL_COMPILE_CACHE", "").strip()
         if self.compiler.compile_cache:
             return Path(self.compiler.compile_cache)
-        if shared:
-            return Path(shared) / str(self.backend)
-        return Path(self.output) / ".compile_cache" / str(self.backend)
+        backend = str(self.backend)
+        return shared_compile_cache(backend) or Path(self.output) / ".compile_cache" / backend
 
     def run_dir(self) -> Path:
         return Path(self.output) / self.model.name / str(self.backend) / self.run_name

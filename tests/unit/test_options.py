@@ -45,3 +45,20 @@ def test_an_option_declared_once_reaches_every_place(probe, monkeypatch):
     assert "optim.probe_depth" in resume_keys()
     with pytest.raises(ConfigError, match="--probe_depth"):
         check_ranges(parse("--probe_depth", "0"))
+
+
+def test_accel_compile_cache_names_one_folder_for_every_runs_compiled_programs(
+    tmp_path, monkeypatch
+):
+    from accel.cli.config import replace_path
+    from accel.engine import cache_dir
+    from tests.helpers import micro_config
+
+    cfg = micro_config(tmp_path / "out", backend="jax")
+    monkeypatch.delenv("ACCEL_COMPILE_CACHE", raising=False)
+    assert cfg.compile_cache_dir() == tmp_path / "out" / ".compile_cache" / "jax"
+    monkeypatch.setenv("ACCEL_COMPILE_CACHE", str(tmp_path / "shared"))
+    assert cfg.compile_cache_dir() == tmp_path / "shared" / "jax"
+    assert cache_dir("xla") == tmp_path / "shared" / "xla"  # prepare's, read alike
+    mine = replace_path(cfg, "compiler.compile_cache", str(tmp_path / "mine"))
+    assert mine.compile_cache_dir() == tmp_path / "mine"  # --compile_cache wins
