@@ -177,8 +177,9 @@ def prepare(
     seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
     attention: the jax backend's attention kernels: "xla" (XLA's own ops, no custom call),
         "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU) or "auto"
-        (by shape: cuDNN for long sequences such as ViT's, XLA for short windows such as
-        Swin's; accel/backends/jax_attention.py). The other backends run torch's own attention.
+        (by shape: cuDNN for long unbiased sequences such as ViT's, XLA for biased or
+        short ones such as Swin's windows; accel/backends/jax_attention.py). The other
+        backends run torch's own attention.
     quiet: say nothing at start (default: one line naming the backend and why).
     state: an object with a `step` count and state_dict/load_state_dict (a
         torch.distributed.checkpoint Stateful) that `save` and `load` keep; its `step` counts

@@ -1,11 +1,11 @@
 """Benchmark: the same model and batch on several backends, each launch in its own process.
 
 Each backend runs through launch_single_task (what a user runs) on synthetic data; a backend may
-carry `+kernel_opt`, e.g. `--backends eager,compile,jax,jax+kernel_opt`. `--launches 2` starts
-every job twice into one output folder, so the second launch shows what the compilation caches
-save. Reported per launch: steady-state img/s (warm-up excluded) and its ratio to the first
-backend, time to first step and where it went, peak device memory. Written to
-bench/results/<tag>.json with the device and library versions.
+carry `+kernel_opt` or `+attention_xla` (`_cudnn`, `_auto`), e.g. `--backends
+compile,jax,jax+attention_cudnn`. `--launches 2` starts every job twice into one output folder, so
+the second launch shows what the compilation caches save. Reported per launch: steady-state
+img/s (warm-up excluded) and its ratio to the first backend, time to first step and where it
+went, peak device memory. Written to bench/results/<tag>.json with the device and versions.
 
     python bench/compare_backends.py --models vit_micro,swin_micro --backends eager,compile
     python bench/compare_backends.py --models vit_base_patch16_224,swin_tiny_patch4_window7_224 \
@@ -48,7 +48,7 @@ def versions() -> dict[str, str]:
     return found
 
 
-def write_result(name: str, record: dict) -> Path:
+def write_result(name: str, record: dict, quiet: bool = False) -> Path:
     """bench/results/<name>.json: the record with the date, device and library versions."""
     stamped = {
         "date": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -58,7 +58,8 @@ def write_result(name: str, record: dict) -> Path:
     }
     path = ROOT / "bench" / "results" / f"{name}.json"
     path.write_text(json.dumps(stamped, indent=2) + "\n")
-    print(f"\nwritten {path}")
+    if not quiet:
+        print(f"\nwritten {path}")
     return path
 
 
@@ -97,6 +98,7 @@ def job_flags(model: str, spec: str, args: argparse.Namespace) -> list[str]:
         *("--steps", str(args.steps), "--amp_level", args.amp_level),
         *("--num_classes", str(args.num_classes)),
         *(["--kernel-opt"] if option == "kernel_opt" else []),
+        *(["--attention", option.partition("_")[2]] if option.startswith("attention_") else []),
     ]
 
 
@@ -180,11 +182,17 @@ def main(argv: list[str] | None = None) -> int:
                         break
                     first = first or row["images_per_sec"]
                     row["speedup"] = row["images_per_sec"] / first
+                    write_rows(rows, args, quiet=True)  # a run cut short keeps what it measured
                 if args.fed and "error" not in rows[-1]:
                     rows[-1]["fed_images_per_sec"] = fed_ips = fed(model, spec, args)
                     if fed_ips:
                         rows[-1]["loop_efficiency"] = rows[-1]["images_per_sec"] / fed_ips
     print_table(rows)
+    write_rows(rows, args)
+    return 0
+
+
+def write_rows(rows: list[dict], args: argparse.Namespace, quiet: bool = False) -> Path:
     record = {
         "settings": vars(args),
         "note": "one run per row, each launch its own process; speedup is the ratio to the "
@@ -192,8 +200,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": rows,
     }
     tag = args.tag or f"{args.backends.replace(',', '-').replace('+', '_')}-{args.amp_level}"
-    write_result(tag, record)
-    return 0
+    return write_result(tag, record, quiet)
 
 
 if __name__ == "__main__":

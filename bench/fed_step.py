@@ -25,19 +25,75 @@ from accel.cli.job import build_engine  # noqa: E402
 from accel.models.factory import ModelConfig, input_size  # noqa: E402
 
 
-def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int) -> float:
+def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int, profile: int = 0) -> dict:
+    """{"fed_images_per_sec": ...}, and with `profile` (jax) the device's top ops over 5 more
+    steps traced by jax.profiler."""
     engine = build_engine(cfg, schedule=lambda step: 1e-4)
     size = input_size(cfg.model)[-1]
     images = torch.randint(0, 256, (cfg.batch_size, 3, size, size), dtype=torch.uint8)
     targets = torch.full((cfg.batch_size, cfg.model.num_classes), 1.0 / cfg.model.num_classes)
     (batch,) = engine.loader([(images, targets)])
-    engine.fetch([engine.step_micro_batches([batch]) for _ in range(warmup)])
-    engine.synchronize()
+
+    def run(count: int) -> None:
+        handles = [engine.step_micro_batches([batch]) for _ in range(count)]
+        engine.fetch(handles)  # one host sync at the end, as the loop does per group
+        engine.synchronize()
+
+    run(warmup)
     start = time.perf_counter()
-    handles = [engine.step_micro_batches([batch]) for _ in range(steps)]
-    engine.fetch(handles)  # one host sync at the end, as the loop does per group
-    engine.synchronize()
-    return cfg.batch_size * steps / (time.perf_counter() - start)
+    run(steps)
+    result: dict = {"fed_images_per_sec": cfg.batch_size * steps / (time.perf_counter() - start)}
+    if profile:
+        result["profile"] = device_profile(lambda: run(PROFILED_STEPS), profile)
+    return result
+
+
+PROFILED_STEPS = 5
+
+
+def device_profile(work, top: int) -> dict:
+    """Device time of `work` per op, from a jax.profiler trace read with jax.profiler.ProfileData:
+    for each line of the device's plane ("XLA Ops", each stream's kernels), its total and the
+    `top` names by summed duration, with one event's stats for each."""
+    import jax
+
+    with tempfile.TemporaryDirectory() as folder:
+        with jax.profiler.trace(folder):
+            work()
+        (trace,) = Path(folder).glob("**/*.xplane.pb")
+        data = jax.profiler.ProfileData.from_file(str(trace))
+        lines: dict[str, dict] = {}
+        for plane in data.planes:
+            if not plane.name.startswith("/device:"):
+                continue
+            for line in plane.lines:
+                totals: dict[str, list] = {}
+                for event in line.events:
+                    seen = totals.setdefault(event.name, [0.0, 0, event])
+                    seen[0] += event.duration_ns / PROFILED_STEPS / 1e6
+                    seen[1] += 1
+                ranked = sorted(totals.items(), key=lambda item: -item[1][0])
+                lines[f"{plane.name} {line.name}"] = {
+                    "ms_per_step": round(sum(t[0] for t in totals.values()), 3),
+                    "top": [
+                        {
+                            "name": name[:160],
+                            "ms_per_step": round(ms, 3),
+                            "calls": calls,
+                            "stats": event_stats(event),
+                        }
+                        for name, (ms, calls, event) in ranked[:top]
+                    ],
+                }
+        return lines
+
+
+def event_stats(event) -> dict[str, str]:
+    """An event's stats (the HLO op, its module, the kernel's details), as text."""
+    try:
+        return {str(k): str(v)[:300] for k, v in dict(event.stats).items()}
+    except (TypeError, ValueError) as err:  # a ProfileData whose stats are not pairs
+        return {"unread": f"{type(err).__name__}: {err}"[:300]}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,6 +104,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--amp_level", default="O0")
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--kernel-opt", dest="kernel_opt", action="store_true")
+    p.add_argument("--attention", default="auto", help="jax: auto, cudnn or xla")
+    p.add_argument("--profile", type=int, default=0, help="jax: trace 5 more steps, print the "
+                   "device's top N ops per line")  # fmt: skip
+    p.add_argument("--profile_out", type=Path, help="also write the result as JSON here")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
     args = p.parse_args(argv)
@@ -58,10 +118,20 @@ def main(argv: list[str] | None = None) -> int:
             batch_size=args.batch_size,
             amp_level=args.amp_level,
             kernel_opt=args.kernel_opt,
+            attention=args.attention,
             output=out,
         )
-        ips = fed_images_per_sec(cfg, args.steps, args.warmup)
-    print(json.dumps({"backend": args.backend, "model": args.model, "fed_images_per_sec": ips}))
+        result = fed_images_per_sec(cfg, args.steps, args.warmup, args.profile)
+    record = {"backend": args.backend, "model": args.model, **result}
+    if args.profile_out:
+        args.profile_out.write_text(json.dumps(record, indent=1) + "\n")
+    for name, line in record.pop("profile", {}).items():
+        print(f"\n{name}: {line['ms_per_step']:.2f} ms a step")
+        for op in line["top"]:
+            print(
+                f"  {op['ms_per_step']:8.3f} ms  x{op['calls'] // PROFILED_STEPS:<4} {op['name']}"
+            )
+    print(json.dumps(record))
     return 0
 
 

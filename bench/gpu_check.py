@@ -1,26 +1,33 @@
-"""What holds on a GPU machine, in stages of at most 8 minutes each on an H100.
+"""What holds on a GPU machine, fitted to one command of at most 9 minutes on an H200.
 
-    python bench/gpu_check.py --stage tests     # the GPU test tier (pytest -m gpu)
-    python bench/gpu_check.py --stage bench     # ViT-B/16 and Swin-T, batch 128, O1: eager,
-                                                #   compile, jax, each with its fed step, 2 launches
+    python bench/gpu_check.py                   # every stage below but data, in this order:
+    python bench/gpu_check.py --stage tests     # the GPU test tier (pytest -m gpu, 6 workers)
+    python bench/gpu_check.py --stage decode    # nvJPEG against PIL: the decode and the resize
+    python bench/gpu_check.py --stage attention # jax's attention per shape, XLA against cuDNN
+    python bench/gpu_check.py --stage bench     # Swin-T and ViT-B/16, batch 128, O1: compile
+                                                #   and jax (--backends to change), one launch
+    python bench/gpu_check.py --stage profile   # Swin-T's fed jax step: img/s, top device ops
     python bench/gpu_check.py --stage data      # Swin-T from 2000 real 400-px JPEGs, eager and jax,
                                                 #   decoded on the GPU and by CPU workers
-    python bench/gpu_check.py --smoke           # every stage on CPU with the micro models (< 90 s)
+    python bench/gpu_check.py --smoke           # every stage on CPU with the micro models
 
 Runs from the source tree as the machine has it, with no install step: wheels it lacks (torchax)
 are read from the ignored `.whl/` folder (docs/benchmarks.md, "Checking a GPU machine"). It
 prints the versions it finds and names each missing piece in one line first. Every stage appends
 to one results file, bench/results/gpu-check-<device>.json (or under --results DIR), with a
 Markdown twin; the file holds the device, driver and versions, and the ratios computed in the
-same run. A stage that runs past its budget is stopped: what it has is written, and the part that
-did not finish is named.
+same run. A stage that runs past its budget, or past what is left of --total, is stopped: what
+it has is written, and the part that did not finish is named. Every process shares one compile
+cache (ACCEL_COMPILE_CACHE), so the profile's step reuses what the bench's jax run compiled.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata as md
+import importlib.util
 import json
+import math
 import os
 import re
 import subprocess
@@ -32,9 +39,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
-STAGES = ("tests", "bench", "data")
-STAGE_BUDGET_S = 480
-SMOKE_BUDGET_S = {"tests": 20, "bench": 45, "data": 25}  # shares of --smoke's 90 s
+STAGES = ("tests", "decode", "attention", "bench", "profile", "data")
+EVERY = STAGES[:-1]  # what a plain run does: "data" (real JPEGs) is asked for by name
+STAGE_BUDGET_S = {"tests": 150, "decode": 60, "attention": 90, "bench": 330, "profile": 150,
+                  "data": 480}  # fmt: skip
+SMOKE_BUDGET_S = {"tests": 20, "decode": 10, "attention": 15, "bench": 45, "profile": 20,
+                  "data": 25}  # fmt: skip
+TOTAL_S = 560  # one device command of at most 10 minutes, with the machine's start beside it
+BENCH_MODELS = "swin_tiny_patch4_window7_224,vit_base_patch16_224"
 NEEDED = ("torch", "torchvision", "timm", "jax", "torchax", "optax")
 REPORTED = (*NEEDED, "jaxlib", "jax-cuda13-plugin", "jax-cuda12-plugin", "flax", "torch_xla")
 REPORTED += ("nvidia-nvimgcodec-cu13",)
@@ -55,6 +67,7 @@ def environment(smoke: bool) -> dict[str, str]:
     paths = [*wheel_paths(), str(ROOT), os.environ.get("PYTHONPATH", "")]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
     env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("ACCEL_COMPILE_CACHE", str(Path(tempfile.gettempdir()) / "gpu-check-cache"))
     if smoke:
         env.update(PJRT_DEVICE="CPU", JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
     return env
@@ -140,47 +153,121 @@ def run(cmd: list[str], budget: Budget, env: dict, part: str) -> tuple[int | Non
 
 
 # --- stages -----------------------------------------------------------------------------------
-def stage_tests(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dict:
+def stage_tests(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
     """The GPU tier: each test passes on CUDA, or is skipped with its reason elsewhere."""
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rs", "-p", "no:cacheprovider"]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-rfEs", "-p", "no:cacheprovider"]
+    if not smoke and importlib.util.find_spec("xdist"):
+        # 6 pytest-xdist workers share the card: none takes most of its memory
+        cmd += ["-n", "6"]
+        env = {**env, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
     code, output = run([*cmd, "tests/gpu"], budget, env, "pytest -m gpu")
+    failures = re.findall(r"^(?:FAILED|ERROR) (.*)$", output, re.MULTILINE)
     counts = {
         word: int(n) for n, word in re.findall(r"(\d+) (passed|failed|skipped|error)", output)
     }
     reasons = sorted(set(re.findall(r"SKIPPED \[\d+\] [^:]+:\d+: (.*)", output)))
     lines = [f"{k}: {v}" for k, v in counts.items()] + [f"skipped because: {r}" for r in reasons]
+    lines += [f"failed: {f[:400]}" for f in failures]
     if code is None:
         lines.append("unfinished: pytest -m gpu ran past the budget")
-    return {"exit_code": code, "counts": counts, "lines": lines}
+    return {"exit_code": code, "counts": counts, "lines": lines, "output_tail": output[-6000:]}
 
 
-def stage_bench(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dict:
-    """Each backend's loop and its fed step (bench/compare_backends.py); `launches` of each job
-    (a second shows what the compile caches save)."""
+def stage_decode(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
+    """The device's JPEG path against the CPU workers', split into the decode and the resize."""
+    cmd = [sys.executable, "bench/jpeg_decode_diff.py"]
+    cmd += ["--device", "cpu", "--sizes", "40"] if smoke else []
+    code, output = run(cmd, budget, env, "jpeg_decode_diff")
+    if code != 0:
+        return {"lines": [f"unfinished: jpeg_decode_diff ({output.strip()[-300:]})"]}
+    record = json.loads(output.strip().splitlines()[-1])
+    lines = [
+        f"{size}: {r['decoder']} decode {r['decode_mean_abs']:.2f} levels from PIL's (worst "
+        f"image {r['decode_max_image_mean_abs']:.2f}); resize bilinear "
+        f"{r['resize_bilinear_mean_abs']:.2f}, bicubic {r['resize_bicubic_mean_abs']:.2f}"
+        for size, r in record.items()
+        if size.endswith("px")
+    ]
+    return {**record, "lines": lines}
+
+
+def stage_attention(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
+    """jax's attention per shape (bench/attention_shapes.py): XLA's ops against cuDNN."""
+    tag = "gpu-check-attention"
+    cmd = [sys.executable, "bench/attention_shapes.py", "--tag", tag]
+    if smoke:
+        cmd += ["--models", "vit_base_patch32_224", "--batch_size", "1", "--iters", "1"]
+    code, output = run(cmd, budget, env, "attention_shapes")
+    written = ROOT / "bench" / "results" / f"{tag}.json"
+    if not written.is_file():
+        return {"lines": [f"unfinished: attention_shapes ({output.strip()[-300:]})"]}
+    record = json.loads(written.read_text())
+    written.unlink()  # folded into this stage's record
+    lines = [
+        f"{r['model']} {r['name']} ({r['sequences']} x {r['tokens']} tokens, {r['heads']} heads,"
+        f" bias {r['bias']}): xla {_ms(r['xla'])}, cudnn {_ms(r['cudnn'])}"
+        for r in record["results"]
+    ]
+    lines += [
+        f"{model}: a step's attention xla {t['xla']:.1f} ms, cudnn {t['cudnn']:.1f} ms"
+        for model, t in record["per_step_ms"].items()
+    ]
+    if code is None:
+        lines.append("unfinished: attention_shapes ran past the budget")
+    return {"rows": record["results"], "per_step_ms": record["per_step_ms"], "lines": lines}
+
+
+def _ms(result: dict) -> str:
+    if "error" in result:
+        return f"failed ({result['error'][:120]})"
+    ran = f" ran {result['ran']}" + (f", refused: {result['refused']}" if result["refused"] else "")
+    return f"{result['train_ms']:.2f} ms{ran}"
+
+
+def stage_profile(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
+    """Swin-T's jax step fed with a batch on the device: its img/s, and the device's top ops
+    over 5 steps (jax.profiler), from the compile cache the bench stage's jax run filled."""
+    model, batch = ("swin_micro", "8") if smoke else ("swin_tiny_patch4_window7_224", "128")
+    out = Path(tempfile.mkdtemp()) / "profile.json"
+    cmd = [sys.executable, "bench/fed_step.py", "--backend", "jax", "--model", model,
+           "--batch_size", batch, "--amp_level", "O0" if smoke else "O1", "--steps", "20",
+           "--warmup", "3", "--profile", "25", "--profile_out", str(out)]  # fmt: skip
+    code, output = run(cmd, budget, env, "fed_step --profile")
+    if code != 0 or not out.is_file():
+        return {"lines": [f"unfinished: fed_step --profile ({output.strip()[-500:]})"]}
+    record = json.loads(out.read_text())
+    lines = [f"{model} jax fed step: {record['fed_images_per_sec']:.0f} img/s"]
+    for name, line in record.get("profile", {}).items():
+        lines.append(f"{name}: {line['ms_per_step']:.2f} ms a step")
+        lines += [f"  {op['ms_per_step']:.3f} ms {op['name'][:100]}" for op in line["top"][:12]]
+    return {**record, "lines": lines}
+
+
+def stage_bench(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
+    """Each backend's loop (bench/compare_backends.py), each model's first backend the baseline;
+    `--launches` of each job (a second shows what the compile caches save), `--fed` adds each
+    backend's fed step (one more compile on compile and eager)."""
     if smoke:
         jobs = [("vit_micro", "eager,jax", "16", "1", "O0")]  # the harness, not the numbers
     else:
-        jobs = [
-            ("vit_base_patch16_224,swin_tiny_patch4_window7_224", "eager,compile,jax", "128",
-             str(launches), "O1"),
-            ("vit_base_patch16_224,swin_tiny_patch4_window7_224", "jax", "256", "1", "O1"),
-        ]  # fmt: skip
+        jobs = [(BENCH_MODELS, args.backends, "128", str(args.launches), "O1")]
     rows, lines = [], []
     for models, backends, batch, launches, amp in jobs:
         tag = f"gpu-check-bench-{batch}"
         cmd = [sys.executable, "bench/compare_backends.py", "--models", models, "--backends",
                backends, "--batch_size", batch, "--launches", launches, "--amp_level", amp,
-               "--fed", "--tag", tag, "--steps", "6" if smoke else "30",
-               "--warmup", "2" if smoke else "5", "--workers", "2" if smoke else "12"]  # fmt: skip
+               "--tag", tag, "--steps", "6" if smoke else "30",
+               "--warmup", "2" if smoke else "5", "--workers", "2" if smoke else "12",
+               *(["--fed"] if smoke or args.fed else [])]  # fmt: skip
         code, _ = run(cmd, budget, env, f"bench batch {batch}")
         written = ROOT / "bench" / "results" / f"{tag}.json"
-        if code is None or not written.is_file():
+        if written.is_file():  # every row it finished, also when cut short
+            results = json.loads(written.read_text())["results"]
+            rows += [{**r, "batch_size": int(batch)} for r in results]
+            written.unlink()  # folded into this stage's record
+        if code is None or code != 0:
             lines.append(f"unfinished: {models} on {backends} at batch {batch}")
             break
-        rows += [
-            {**r, "batch_size": int(batch)} for r in json.loads(written.read_text())["results"]
-        ]
-        written.unlink()  # folded into this stage's record
     lines += [_bench_line(r) for r in rows]
     return {"rows": rows, "lines": lines}
 
@@ -200,7 +287,7 @@ def _bench_line(row: dict) -> str:
     )
 
 
-def stage_data(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dict:
+def stage_data(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
     """A JPEG folder decoded on the GPU (nvJPEG) and by CPU workers, on eager and jax."""
     sys.path.insert(0, str(ROOT))
     from accel.data.prepare import prepare_mock_imagenet
@@ -239,17 +326,33 @@ def stage_data(smoke: bool, env: dict, budget: Budget, launches: int = 2) -> dic
     return {"model": model, "rows": rows, "lines": lines}
 
 
-RUNNERS = {"tests": stage_tests, "bench": stage_bench, "data": stage_data}
+RUNNERS = {
+    "tests": stage_tests,
+    "decode": stage_decode,
+    "attention": stage_attention,
+    "bench": stage_bench,
+    "profile": stage_profile,
+    "data": stage_data,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpu_check", description=__doc__.split("\n\n")[0])
-    p.add_argument("--stage", choices=(*STAGES, "all"), default="all")
-    p.add_argument("--smoke", action="store_true", help="on CPU, micro models, under 90 s")
+    p.add_argument("--stage", default="all", help=f"comma-separated, of {', '.join(STAGES)}; "
+                   f"all: {', '.join(EVERY)}")  # fmt: skip
+    p.add_argument("--smoke", action="store_true", help="on CPU, micro models, under 2 minutes")
     p.add_argument("--results", type=Path, default=ROOT / "bench" / "results", help="folder")
-    p.add_argument("--budget", type=float, help=f"seconds per stage (default {STAGE_BUDGET_S})")
-    p.add_argument("--launches", type=int, default=2, help="launches of each bench job")
+    p.add_argument("--budget", type=float, help="seconds per stage (default: each stage's own)")
+    p.add_argument("--total", type=float, help=f"seconds for every stage (default {TOTAL_S}; "
+                   "none with --smoke)")  # fmt: skip
+    p.add_argument("--launches", type=int, default=1, help="launches of each bench job")
+    p.add_argument("--backends", default="compile,jax", help="the bench stage's backends")
+    p.add_argument("--fed", action="store_true", help="the bench stage times fed steps too")
     args = p.parse_args(argv)
+    every = STAGES if args.smoke else EVERY  # the smoke run tries every stage's harness
+    stages = every if args.stage == "all" else tuple(args.stage.split(","))
+    if unknown := [s for s in stages if s not in STAGES]:
+        p.error(f"no stage {', '.join(unknown)}: the stages are {', '.join(STAGES)}")
     found = versions()
     print("gpu_check: " + ", ".join(f"{k} {v}" for k, v in found.items() if v), flush=True)
     missing = [name for name in NEEDED if not found[name]]
@@ -265,10 +368,15 @@ def main(argv: list[str] | None = None) -> int:
     args.results.mkdir(parents=True, exist_ok=True)
     results = Results(info, args.smoke, args.results)
     env = environment(args.smoke)
-    for stage in STAGES if args.stage == "all" else (args.stage,):
-        seconds = SMOKE_BUDGET_S[stage] if args.smoke else STAGE_BUDGET_S
-        result = RUNNERS[stage](args.smoke, env, Budget(args.budget or seconds), args.launches)
-        results.add(stage, result)
+    total = Budget(args.total or (math.inf if args.smoke else TOTAL_S))
+    for stage in stages:
+        seconds = args.budget or (SMOKE_BUDGET_S if args.smoke else STAGE_BUDGET_S)[stage]
+        if total.left() < 5:
+            results.add(stage, {"lines": ["unfinished: no time left of --total"]})
+            continue
+        started = time.monotonic()
+        result = RUNNERS[stage](args.smoke, env, Budget(min(seconds, total.left())), args)
+        results.add(stage, {**result, "seconds": round(time.monotonic() - started, 1)})
         print(f"gpu_check: {stage}\n  " + "\n  ".join(result["lines"]), flush=True)
     print(f"gpu_check: results in {results.path}")
     return 0

@@ -160,7 +160,8 @@ class RunConfig:
     attention: str = option(
         "auto",
         "jax's attention: XLA's ops, cuDNN flash attention (CUDA GPU), or by shape (auto: "
-        "cuDNN for long sequences, XLA for short windows); the other backends use torch's",
+        "cuDNN for long unbiased sequences, XLA for biased or short ones); the other backends use "
+        "torch's",
         choices=ATTENTION_CHOICES,
         group=PRECISION,
     )

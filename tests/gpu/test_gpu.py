@@ -7,12 +7,15 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 
 from accel.cli.resolve import resolve_backend, resolve_decode_on
 from accel.cli.train import Trainer
 from accel.data.config import DataConfig, MixupConfig
+from accel.data.jpeg_decoders import make_decoder
 from accel.data.loaders import build_train_loader
 from accel.distributed import DistContext
 from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli, train_cli
@@ -63,14 +66,30 @@ def test_nvjpeg_batches_match_the_cpu_path(dirty_imagenet):
 
     # The CPU path at full decode: what the device decodes before its own resize.
     cpu, gpu = epoch("workers", draft=False), epoch("cuda")
+    # nvJPEG and libjpeg-turbo (PIL) differ on their own, before any crop: 4.2-4.3 levels on
+    # these images on an H200 (bench/jpeg_decode_diff.py), the resize 0.2. A crop, flip or mix
+    # that went wrong differs by tens of levels; the same ones, by less than the decoders do.
+    bound = decoder_gap(sorted(dirty_imagenet.glob("train/*/*.JPEG"))) + 1.0  # the good ones
     assert len(cpu) == len(gpu)
     for a, b in zip(cpu, gpu, strict=True):
         assert b["images"].is_cuda
         assert torch.equal(b["targets"].cpu(), a["targets"])  # the same soft targets, exactly
-        assert (b["images"].cpu().float() - a["images"].float()).abs().mean() < 2.0
+        assert (b["images"].cpu().float() - a["images"].float()).abs().mean() < bound
         assert b["skipped"] == a["skipped"]
     skipped = {Path(p).name for batch in gpu for p in batch["skipped"]}
     assert skipped == {"truncated.jpg", "empty.jpg", "notes.png"}
+
+
+def decoder_gap(files: list[Path]) -> float:
+    """Mean absolute difference of the device's decoder from PIL's over whole images."""
+    decoder = make_decoder(torch.device("cuda"))
+    gaps = []
+    for path in files:
+        (image,) = decoder([torch.from_numpy(np.fromfile(path, dtype=np.uint8))])
+        with Image.open(path) as img:
+            pixels = torch.from_numpy(np.asarray(img.convert("RGB")).copy()).permute(2, 0, 1)
+        gaps.append((image.cpu().float() - pixels.float()).abs().mean().item())
+    return sum(gaps) / len(gaps)
 
 
 @pytest.mark.parametrize(

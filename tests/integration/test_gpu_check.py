@@ -27,7 +27,7 @@ def smoke(tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict, str]:
 def test_every_stage_finishes_and_is_recorded(smoke):
     done, record, markdown = smoke
     assert done.returncode == 0, done.stderr[-2000:]
-    assert set(record["stages"]) == {"tests", "bench", "data"}
+    assert set(record["stages"]) == {"tests", "decode", "attention", "bench", "profile", "data"}
     assert "unfinished" not in done.stdout and "unfinished" not in markdown
     assert record["device"] == "CPU" and record["versions"]["torchax"]
     assert done.stdout.startswith("gpu_check: torch ")  # the versions, first
@@ -51,3 +51,16 @@ def test_bench_and_data_stages_measure_each_backend(smoke):
     assert [(r["backend"], r["ok"]) for r in data["rows"]] == [("eager", True), ("jax", True)]
     assert all(0 <= r["data_wait_fraction"] <= 1 for r in data["rows"])
     assert "skipped: --data_device gpu (no CUDA device)" in data["lines"]
+
+
+def test_decode_attention_and_profile_stages_measure_on_this_machine(smoke):
+    stages = smoke[1]["stages"]
+    decode = stages["decode"]["40px"]  # the CPU's decoder is PIL's libjpeg-turbo: no gap
+    assert decode["decoder"] == "torchvision" and decode["decoded"] > 0
+    assert decode["decode_mean_abs"] == 0 and 0 <= decode["resize_bilinear_mean_abs"] < 1
+    (row,) = stages["attention"]["rows"]
+    assert row["model"] == "vit_base_patch32_224" and row["tokens"] == 50
+    assert row["xla"]["ran"] == row["cudnn"]["ran"] == "xla"  # no cuDNN on a CPU
+    assert row["xla"]["train_ms"] > 0 and row["cudnn"]["train_ms"] > 0
+    assert stages["profile"]["model"] == "swin_micro"
+    assert stages["profile"]["fed_images_per_sec"] > 0

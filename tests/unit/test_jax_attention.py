@@ -75,11 +75,19 @@ def test_a_shape_cudnn_refuses_falls_back_to_xla_once_named():
 
 
 @pytest.mark.parametrize(
-    ("tokens", "head_dim", "expected"),
-    [(49, 32, "xla"), (127, 64, "xla"), (128, 64, "cudnn"), (197, 64, "cudnn"), (197, 256, "xla")],
+    ("tokens", "head_dim", "biased", "expected"),
+    [
+        (49, 32, True, "xla"),  # Swin-T's windows
+        (144, 32, True, "xla"),  # Swin-B/384's: a bias sends even long windows to XLA
+        (49, 64, False, "xla"),
+        (127, 64, False, "xla"),
+        (128, 64, False, "cudnn"),
+        (197, 64, False, "cudnn"),  # ViT-B/16
+        (197, 256, False, "xla"),
+    ],
 )
-def test_auto_picks_by_tokens_and_head_dim(tokens, head_dim, expected):
-    assert auto_choice(tokens, head_dim).implementation == expected
+def test_auto_picks_by_tokens_head_dim_and_bias(tokens, head_dim, biased, expected):
+    assert auto_choice(tokens, head_dim, biased).implementation == expected
 
 
 @pytest.fixture
@@ -99,18 +107,19 @@ def _bf16(tokens: int):
     return (x.astype(jnp.bfloat16) for x in _inputs(tokens, 1))
 
 
-def test_auto_sends_long_sequences_to_cudnn_and_short_windows_to_xla(flash_spy):
+def test_auto_sends_long_unbiased_sequences_to_cudnn_and_biased_windows_to_xla(flash_spy):
     kernels = AttentionKernels(flash=True, choice="auto")
-    for tokens in (197, 49, 49):
+    for tokens, biased in ((197, False), (49, True), (49, True), (197, True)):
         q, k, v, bias = _bf16(tokens)
-        kernels(q, k, v, bias, None, None, False)
-    assert [shape[1] for shape in flash_spy] == [197]
+        kernels(q, k, v, bias if biased else None, None, None, False)
+    assert [shape[1] for shape in flash_spy] == [197]  # the unbiased one only
     stats = kernels.stats()
     assert stats["attention"] == "cudnn+xla" and stats["attention_choice"] == "auto"
-    by_tokens = {s["tokens"]: s for s in stats["attention_shapes"].values()}
-    assert by_tokens[197]["ran"] == "cudnn" and by_tokens[197]["cudnn_padded_tokens"] == 208
-    assert by_tokens[49]["chose"] == by_tokens[49]["ran"] == "xla"
-    assert by_tokens[49]["calls"] == 2 and by_tokens[49]["why"].startswith("auto: under 128")
+    by_shape = {(s["tokens"], "bias" in name): s for name, s in stats["attention_shapes"].items()}
+    vit, swin, biased_vit = by_shape[197, False], by_shape[49, True], by_shape[197, True]
+    assert vit["ran"] == "cudnn" and vit["cudnn_padded_tokens"] == 208
+    assert swin["chose"] == swin["ran"] == biased_vit["ran"] == "xla"
+    assert swin["calls"] == 2 and swin["why"].startswith("auto: a bias")
 
 
 def test_xla_never_calls_the_flash_path(flash_spy):
