@@ -14,6 +14,13 @@ from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supp
 from accel.config import BACKENDS, BackendConfig, ConfigError
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
+# Where each backend lives: a module, or a package whose __init__ gives BackendModule's names.
+BACKEND_MODULES = {
+    "eager": "accel.backends.eager",
+    "compile": "accel.backends.compile",
+    "xla": "accel.backends.xla",
+    "jax": "accel.backends.jax",
+}
 
 
 def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None) -> tuple[str, str]:
@@ -47,7 +54,7 @@ def backend_module(name: str, check: bool = True) -> BackendModule:
     """The module of backend `name`; with `check`, raises BackendUnavailable where it cannot run."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
-    module = importlib.import_module(f"accel.backends.{name}")
+    module = importlib.import_module(BACKEND_MODULES[name])
     if check:
         module.require()
     return module  # type: ignore[return-value]  # a module that provides BackendModule's names
