@@ -102,7 +102,7 @@ def check_supported(cfg: BackendConfig) -> BackendModule:
 
 def support_matrix() -> str:
     """What `launch_single_task --backends` prints: one row per feature, one column per backend."""
-    tables = {b: importlib.import_module(f"accel.backends.{b}").SUPPORTS for b in BACKENDS}
+    tables = {b: importlib.import_module(BACKEND_MODULES[b]).SUPPORTS for b in BACKENDS}
 
     def mark(value) -> str:
         if isinstance(value, bool):
