@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -61,31 +61,33 @@ def backend_module(name: str, check: bool = True) -> BackendModule:
 
 
 def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
-    """Every setting of `cfg` the backend cannot run, one line each (empty: it can run them)."""
+    """Every setting of `cfg` the backend cannot run, one line each (empty: it can run them),
+    naming prepare's keywords (`tp=2`, `shard='fsdp'`)."""
     step, mesh, name = cfg.step, cfg.mesh, cfg.backend
     checks = [
-        (step.amp not in supports.amp_levels, "--amp_level " + step.amp),
+        (step.amp not in supports.amp_levels, f"amp='{step.amp}'"),
         (
             step.amp != "O0" and step.amp_dtype == "float16" and not supports.float16,
-            "--amp_dtype float16",
+            "amp_dtype='float16'",
         ),
-        (mesh.shard not in supports.shard, "--shard " + mesh.shard),
-        (mesh.tp > 1 and not supports.tp, "--tp"),
-        (mesh.tp_head > 1 and not supports.tp_head, "--tp_head"),
-        (mesh.pp > 1 and not supports.pp, "--pp"),
-        (step.remat and not supports.remat, "--remat"),
+        (mesh.shard not in supports.shard, f"shard='{mesh.shard}'"),
+        (mesh.tp > 1 and not supports.tp, "tp="),
+        (mesh.tp_head > 1 and not supports.tp_head, "tp_head="),
+        (mesh.pp > 1 and not supports.pp, "pp="),
+        (step.remat and not supports.remat, "remat=True"),
     ]
     lines = [
-        f"{flag} is not supported by the {name} backend (launch_single_task --backends "
+        f"{setting} is not supported by the {name} backend (accel.backends.support_matrix() "
         "shows what each backend runs)"
-        for refused, flag in checks
+        for refused, setting in checks
         if refused
     ]
-    given = {"--tp": mesh.tp > 1, "--tp_head": mesh.tp_head > 1, "--pp": mesh.pp > 1}
-    given["--shard"] = mesh.shard != "none"
+    given = {"tp": mesh.tp > 1, "tp_head": mesh.tp_head > 1, "pp": mesh.pp > 1}
+    given["shard"] = mesh.shard != "none"
+    pairs = [(a.strip("-"), b.strip("-"), why) for a, b, why in supports.exclusive]
     lines += [
-        f"{a} and {b} cannot be combined on the {name} backend: {why}"
-        for a, b, why in supports.exclusive
+        f"{a}= and {b}= cannot be combined on the {name} backend: {why}"
+        for a, b, why in pairs
         if given[a] and given[b]
     ]
     return lines
@@ -100,37 +102,45 @@ def check_supported(cfg: BackendConfig) -> BackendModule:
     return module
 
 
-def support_matrix() -> str:
-    """What `launch_single_task --backends` prints: one row per feature, one column per backend."""
+# The support table's rows: (what, in prepare's keywords; the Supports field)
+SUPPORT_ROWS = (
+    ("amp=", "amp_levels"),
+    ("amp_dtype='float16'", "float16"),
+    ("shard=", "shard"),
+    ("tp=", "tp"),
+    ("tp_head=", "tp_head"),
+    ("pp=", "pp"),
+    ("not together", "exclusive"),
+    ("remat=True", "remat"),
+    ("data_device='gpu'", "data_device_gpu"),
+    ("devices=N as", "replicas"),
+    ("N replicas on CPU", "cpu_replicas"),
+    ("kernel_opt=True", "kernel_opt"),
+)
+
+
+def support_matrix(label: Callable[[str], str] = str) -> str:
+    """What each backend runs, as a Markdown table: one row per feature (named by prepare's
+    keywords, or by what `label` makes of them), one column per backend.
+
+    >>> print(support_matrix().splitlines()[2])
+    | amp= | O0, O1, O2, O3 | O0, O1, O2, O3 | O0, O1, O2, O3 | O0, O1, O2, O3 |
+    """
     tables = {b: importlib.import_module(BACKEND_MODULES[b]).SUPPORTS for b in BACKENDS}
 
     def mark(value) -> str:
         if isinstance(value, bool):
             return "yes" if value else "-"
         if isinstance(value, tuple) and value and isinstance(value[0], tuple):
-            return "; ".join(f"{a} + {b}" for a, b, _ in value)  # the exclusive pairs
+            return "; ".join(label(f"{a.strip('-')}= + {b.strip('-')}=") for a, b, _ in value)
         if isinstance(value, tuple):
             return ", ".join(v for v in value if v != "none") or "-"
         return str(value)
 
-    rows = [
-        ("--amp_level", "amp_levels"),
-        ("--amp_dtype float16", "float16"),
-        ("--shard", "shard"),
-        ("--tp", "tp"),
-        ("--tp_head", "tp_head"),
-        ("--pp", "pp"),
-        ("not together", "exclusive"),
-        ("--remat", "remat"),
-        ("--data_device gpu", "data_device_gpu"),
-        ("--nproc_per_node N as", "replicas"),
-        ("N replicas on CPU", "cpu_replicas"),
-        ("--kernel-opt", "kernel_opt"),
-    ]
     lines = ["| | " + " | ".join(BACKENDS) + " |", "|---" * (len(BACKENDS) + 1) + "|"]
-    for label, key in rows:
+    for what, key in SUPPORT_ROWS:
         cells = [mark(getattr(tables[b], key)) for b in BACKENDS]
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(f"| {label(what)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

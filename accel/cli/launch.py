@@ -26,6 +26,7 @@ from accel.checkpoint import flatten  # noqa: E402
 from accel.cli.config import RunConfig, from_dict  # noqa: E402
 from accel.cli.job import backend_config  # noqa: E402
 from accel.cli.options import build_parser, config_from_args  # noqa: E402
+from accel.cli.messages import as_flags  # noqa: E402
 from accel.cli.resolve import resolve  # noqa: E402
 from accel.cli.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from accel.config import ConfigError  # noqa: E402
@@ -198,7 +199,7 @@ def run(argv: list[str]) -> int:
     if args.backends:
         from accel.backends import support_matrix
 
-        print(support_matrix())
+        print(support_matrix(as_flags))
         return 0
     cfg = config_from_args(args)
     if args.compare:
@@ -253,7 +254,7 @@ def one_line(err: BaseException) -> str:
 def error(message: str) -> None:
     """One line on stderr; a process started by torchrun says which rank it is."""
     rank = f" (rank {os.environ.get('RANK', 0)})" if launched_by_torchrun() else ""
-    print(f"launch_single_task: error{rank}: {message}", file=sys.stderr, flush=True)
+    print(f"launch_single_task: error{rank}: {as_flags(message)}", file=sys.stderr, flush=True)
 
 
 def one_line_warnings() -> None:
@@ -270,7 +271,7 @@ def one_line_warnings() -> None:
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         if not str(filename).startswith(ours):
             return usual(message, category, filename, lineno, file, line)
-        tqdm.write(f"warning: {message}", file=file or sys.stderr)
+        tqdm.write(f"warning: {as_flags(str(message))}", file=file or sys.stderr)
 
     show.one_line = True  # type: ignore[attr-defined]  # a marker on the function, read above
     warnings.showwarning = show

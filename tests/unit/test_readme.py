@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 
 from accel.backends import support_matrix
+from accel.cli.messages import as_flags
 from accel.cli.options import build_parser
 from tests.helpers import ROOT
 
@@ -20,7 +21,7 @@ def help_text(monkeypatch) -> str:
 
 
 def test_the_readme_shows_the_support_table_the_code_prints():
-    assert support_matrix().strip() in README
+    assert support_matrix(as_flags).strip() in README
 
 
 def test_the_cli_page_shows_the_help_the_parser_prints(monkeypatch):
