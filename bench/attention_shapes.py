@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from accel.backends.jax_attention import AttentionKernels  # noqa: E402
+from accel.backends.jax.attention import AttentionKernels  # noqa: E402
 from bench.compare_backends import write_result  # noqa: E402
 
 

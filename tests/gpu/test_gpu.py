@@ -102,7 +102,7 @@ def test_jax_takes_cudnn_flash_attention_and_matches_xla(tokens, heads, bias_bat
     import jax.numpy as jnp
     import numpy as np
 
-    from accel.backends.jax_attention import AttentionKernels
+    from accel.backends.jax.attention import AttentionKernels
 
     keys = jax.random.split(jax.random.key(0), 4)
     batch = 64 if bias_batch == 64 else 8

@@ -8,7 +8,7 @@ import importlib
 import pytest
 import torch
 
-from accel.backends import torchax_compat
+from accel.backends.jax import torchax_compat
 from accel.parallel.pipeline import GlooSafeStage
 from accel.versions import OPS_REMOVED, release
 from tests.helpers import run_python

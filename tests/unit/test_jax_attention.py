@@ -14,8 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import accel
-import accel.backends.jax_attention as jax_attention
-from accel.backends.jax_attention import AttentionKernels, auto_choice, padded_attention
+import accel.backends.jax.attention as jax_attention
+from accel.backends.jax.attention import AttentionKernels, auto_choice, padded_attention
 from accel.cli.job import step_config
 from accel.cli.options import build_parser, config_from_args
 

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from jax.sharding import Mesh
 
-from accel.backends.jax_step import OptaxGroups, make_train_step
+from accel.backends.jax.step import OptaxGroups, make_train_step
 from accel.optim import OptimizerSpec
 
 

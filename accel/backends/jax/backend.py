@@ -40,8 +40,8 @@ from accel.backends.base import (
     split_loss,
 )
 from accel.backends.host_reads import HostRead, host_read_line
+from accel.backends.jax.torchax_compat import not_an_accelerator, removed_ops
 from accel.backends.quiet import quiet_imports
-from accel.backends.torchax_compat import not_an_accelerator, removed_ops
 from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
@@ -69,8 +69,8 @@ try:
         from jax.sharding import Mesh, NamedSharding
         from jax.sharding import PartitionSpec as P
 
-        from accel.backends.jax_attention import AttentionKernels
-        from accel.backends.jax_step import (
+        from accel.backends.jax.attention import AttentionKernels
+        from accel.backends.jax.step import (
             OptaxGroups,
             Precision,
             cast_floating,
