@@ -1,8 +1,9 @@
 """accel: an XLA-backed training backend for PyTorch vision transformers.
 
-In your own script: `engine = accel.prepare(model, optimizer, loss_fn)` (accel/engine.py); on
-the command line: `launch_single_task`. The names below load on first use, so that
-`import accel.data` (or the launcher's fast `--help`) does not import every backend.
+In your own script: `engine = accel.prepare(model, optimizer, loss_fn)` (accel/api.py makes
+the Engine of accel/engine.py); on the command line: `launch_single_task`. The names below load
+on first use, so that `import accel.data` (or the launcher's fast `--help`) does not import
+every backend.
 """
 
 from __future__ import annotations
@@ -11,12 +12,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from accel.engine import AccelError, Engine, StepResult, choose_backend, prepare
+    from accel.api import choose_backend, prepare
+    from accel.engine import AccelError, Engine, StepResult
 
 __all__ = ["AccelError", "Engine", "StepResult", "choose_backend", "prepare"]
+HOMES = {"choose_backend": "accel.api", "prepare": "accel.api"}  # the rest: accel.engine
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        return getattr(importlib.import_module("accel.engine"), name)
+        return getattr(importlib.import_module(HOMES.get(name, "accel.engine")), name)
     raise AttributeError(f"module 'accel' has no attribute {name!r}")

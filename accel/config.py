@@ -34,6 +34,9 @@ class ConfigError(ValueError):
     """Bad user input: reported as one line (the command line's exit code 2)."""
 
 
+AccelError = ConfigError  # accel.AccelError: every refusal, one line, before any weight changes
+
+
 @dataclass(frozen=True)
 class StepConfig:
     """What one optimizer step needs.
@@ -96,7 +99,7 @@ class CompilerConfig:
     are tolerated (-1: any), how far batches are prefetched, and how xla reduces gradients
     across processes."""
 
-    cache_dir: str = ""  # "" : accel.engine.cache_dir(backend)
+    cache_dir: str = ""  # "" : accel.api.cache_dir(backend)
     max_recompiles: int = -1
     loader_prefetch: int = 8
     device_prefetch: int = 4

@@ -23,35 +23,22 @@ line's Trainer drives the same backends through the same calls.
 
 from __future__ import annotations
 
-import contextlib
-import multiprocessing
-import os
-import sys
 import time
-import traceback
-import warnings
-import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler
 
-from accel.backends import check_supported, resolve_backend
 from accel.backends.base import (
     Backend,
     BackendStats,
     BackendUnavailable,
-    LossFn,
     MetricFn,
-    ModelInit,
     RecompileError,
     StepResult,
 )
-from accel.backends.host_reads import user_frame
 from accel.checkpoint import (
     BackendTensors,
     CheckpointParts,
@@ -61,231 +48,25 @@ from accel.checkpoint import (
     save_checkpoint,
 )
 from accel.config import (
-    AMP_LEVELS,
-    ATTENTION_CHOICES,
-    SHARD_MODES,
-    AmpDtype,
-    AmpLevel,
-    AttentionChoice,
-    BackendConfig,
-    BackendName,
-    ConfigError,
-    MeshConfig,
-    ShardMode,
-    StepConfig,
-    shared_compile_cache,
+    AccelError,
 )
-from accel.data import fork_server
-from accel.distributed import DistContext, init_process_group
-from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
+from accel.distributed import DistContext
+from accel.loop import (
+    LoopPart,
+    SkipWatch,
+    StepCount,
+    check_batch,
+    check_sharded,
+    check_workers,
+    say,
+    shape_text,
+    user_errors,
+)
+from accel.optim import LearningRates
 from accel.parallel.fsdp import full_value
-from accel.parallel.tensor_parallel import resolve_plan
+from accel.user_model import EvalModel
 
-AccelError = ConfigError  # every refusal: one line, raised before any weight changes
-Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
 EmaDecayFn = Callable[[int], float]  # the EMA decay by the optimizer steps done, this one included
-
-
-def cache_dir(backend: str) -> Path:
-    """Where compiled programs persist between runs (JAX's and torch_xla's persistent caches):
-    ACCEL_COMPILE_CACHE/BACKEND where that is set, else the user's cache folder."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return shared_compile_cache(backend) or root / "accel" / backend
-
-
-def env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit():
-        raise AccelError(f"{name} must be a whole number, got '{raw}'")
-    return int(raw)
-
-
-def choose_backend(requested: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
-    """(backend, why): the name asked for, else ACCEL_BACKEND, else USE_ACCEL=1, else eager.
-
-    >>> choose_backend("jax")
-    ('jax', 'asked for by name')
-    """
-    return resolve_backend(requested, env)
-
-
-def prepare(
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loss_fn: LossFn,
-    *,
-    schedule: Schedule = None,
-    clip_grad: float = 0.0,
-    accum: int = 1,
-    amp: AmpLevel = "O0",
-    amp_dtype: AmpDtype = "bfloat16",
-    ema: float | EmaDecayFn | None = None,
-    backend: BackendName | None = None,
-    devices: int | None = None,
-    shard: ShardMode = "none",
-    tp: int = 1,
-    tp_plan: Mapping[str, str] | None = None,
-    pp: int = 1,
-    seed: int = 0,
-    attention: AttentionChoice = "auto",
-    quiet: bool = False,
-    init: ModelInit | None = None,
-    state: LoopPart | None = None,
-    config: BackendConfig | None = None,
-) -> Engine:
-    """Put `model`, `optimizer` and `loss_fn` on the chosen backend; returns the Engine.
-
-    model: any nn.Module (timm, torchvision, your own); or one built on the meta device
-        (`with torch.device("meta"):`) with `init` building it with its starting values, so
-        that a sharded layout never holds a whole copy on every rank.
-    optimizer: a torch.optim.AdamW, Adam or SGD over the model's parameters, with its param
-        groups (their own lr and weight decay; timm's `lr_scale` for layer decay). accel rebuilds
-        it over the tensors it updates (jax: translates it to optax); yours is not stepped.
-    loss_fn: (model, batch) -> scalar tensor, or (loss, {name: scalar tensor}) whose extras
-        (training accuracy, say) come back with the loss in `fetch`; `batch` is the tuple given
-        to `step`. Call the model inside: every backend traces it. Read no value on the host
-        (no `.item()`).
-    schedule: the base learning rate as a function of the optimizer step (each group keeps its
-        ratio to the first group's rate), or a torch LRScheduler bound to `optimizer` that accel
-        steps. Without it each step takes `optimizer`'s groups' rates as they are then: step
-        your own scheduler (per step or per epoch) as you always have.
-    clip_grad: the gradients' global norm limit, after the mean over replicas (0: none).
-    accum: micro-batches each `step` batch is split into (same result, less memory).
-    amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
-    ema: keep an exponential moving average of the weights with this decay (or a function of
-        the optimizer steps done, this one included, giving it).
-    backend: eager, compile, xla or jax (default: ACCEL_BACKEND, USE_ACCEL, else eager).
-    devices: devices one process drives (xla's SPMD mesh, jax's local devices; default:
-        ACCEL_DEVICES, else 1); under torchrun (eager, compile) each process is one replica.
-    shard: "none" (every replica holds the whole model and optimizer state); "full" splits
-        weights, gradients and optimizer state over the replicas (FSDP2 per block on eager and
-        compile, FSDPv2 on an xla mesh, sharded arrays on jax devices); "grad_op" (eager,
-        compile, jax) splits the gradients and optimizer state and keeps each unit's gathered
-        weights from the forward to the backward. With one replica there is nothing to split.
-    tp: ranks (eager, compile: processes; xla, jax: devices) each transformer block's linear
-        layers are split over, Megatron's way: attention's qkv and the MLP's fc1 by output
-        features, attention's proj and fc2 by input features. The blocks of timm's and
-        torchvision's ViT and Swin are found by module type; for a model of your own give
-        `tp_plan`. The rest of the ranks split the data (and with `shard`, the weights): 4
-        processes at tp=2 are 2 data groups of 2.
-    tp_plan: {module name or fnmatch pattern: "colwise" | "rowwise" | "colwise_gather" |
-        "rowwise_whole" | "replicate"}, the linear layers tp splits (see
-        accel.parallel.tensor_parallel): {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}.
-    pp: pipeline stages (eager; the command line's ViT classifier and its loss only).
-    seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
-    attention: the jax backend's attention kernels: "xla" (XLA's own ops, no custom call),
-        "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU) or "auto"
-        (by shape: cuDNN for long unbiased sequences such as ViT's, XLA for biased or
-        short ones such as Swin's windows; accel/backends/jax_attention.py). The other
-        backends run torch's own attention.
-    quiet: say nothing at start (default: one line naming the backend and why).
-    state: an object with a `step` count and state_dict/load_state_dict (a
-        torch.distributed.checkpoint Stateful) that `save` and `load` keep; its `step` counts
-        the optimizer steps (default: a step count alone).
-    config: every backend setting at once, as the library's typed config (accel.config:
-        StepConfig, MeshConfig and CompilerConfig: the split classifier, the pipeline, remat,
-        compile cache and recompile limits among them); the keywords above then stay unset.
-    """
-    if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
-        raise AccelError("prepare runs as the script is imported: call it under its main guard")
-    mesh = (devices, shard, tp, tp_plan, pp)
-    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, mesh, seed, attention)
-    if config is not None and given != keyword_config(*KEYWORD_DEFAULTS):
-        raise AccelError("give the backend's settings as config= or as keywords, not both")
-    cfg = config or replace(given, step=replace(given.step, ema=ema is not None))
-    if cfg.step.ema and ema is None:
-        ema = DEFAULT_EMA_DECAY
-    name, why = choose_backend(cfg.backend or None)
-    cfg = settled(cfg, name, ema)
-    try:  # it runs here, and runs every setting given (float16, a shard mode, ...)
-        module = check_supported(cfg)
-    except BackendUnavailable as err:
-        raise AccelError(str(err)) from None
-    if not any(p.requires_grad for p in model.parameters()):
-        raise AccelError(
-            f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
-            "one): there is nothing to train"
-        )
-    if cfg.mesh.tp > 1:  # what splits, refused in one line before anything is built
-        resolve_plan(model, cfg.mesh.tp_plan, cfg.mesh.tp)
-    spec = OptimizerSpec.of(optimizer, model)
-    refused = spec.refusals()
-    if refused:
-        raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
-    ctx = module.context(cfg)
-    if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
-        init_process_group(ctx)
-    runner = module.build(cfg, ctx)
-    if runner.threaded and multiprocessing.get_start_method(allow_none=True) is None:
-        # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and
-        # Python warns of it: the script's DataLoaders start theirs from a fork server (Python
-        # 3.14's default on Linux), unless the script chose a start method itself. The server
-        # imports torch and the script once, not each worker of each pass.
-        multiprocessing.set_start_method("forkserver")
-        fork_server.preload()
-    runner.adopt(model, spec, loss_fn, init)
-    if not quiet and ctx.is_main:
-        print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
-    decay = ema if callable(ema) else (ema or 0.0) if cfg.step.ema else 0.0
-    # The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
-    # does, so torch's warning that the scheduler stepped first would be wrong every time.
-    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
-    rates = LearningRates(spec, schedule, optimizer)
-    engine = Engine(runner, ctx, rates, cfg.step.accum, decay, state)
-    engine.max_recompiles = cfg.compiler.max_recompiles
-    engine.model_given = model
-    if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
-        TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
-    return engine
-
-
-# prepare's own
-KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", (None, "none", 1, None, 1), 0, "auto")
-DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)
-
-
-def keyword_config(
-    backend: str | None,
-    clip_grad: float,
-    accum: int,
-    amp: str,
-    amp_dtype: str,
-    mesh: tuple[int | None, str, int, Mapping[str, str] | None, int],
-    seed: int,
-    attention: str = "auto",
-) -> BackendConfig:
-    """prepare's keywords as the library's config (checked by `settled`); `mesh`: devices,
-    shard, tp, tp_plan and pp."""
-    step = StepConfig(amp, amp_dtype, clip_grad, accum, seed=seed)  # type: ignore[arg-type]
-    step = replace(step, attention=attention)  # type: ignore[arg-type]
-    devices, shard, tp, tp_plan, pp = mesh
-    layout = MeshConfig(devices or 0, shard, tp, tp_plan, pp=pp)  # type: ignore[arg-type]
-    return BackendConfig(backend or "", step, layout)  # type: ignore[arg-type]
-
-
-def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> BackendConfig:
-    """`cfg` checked, on backend `name`, with what was left open filled in."""
-    step, mesh = cfg.step, cfg.mesh
-    if step.amp not in AMP_LEVELS:
-        raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{step.amp}'")
-    if mesh.shard not in SHARD_MODES:
-        raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{mesh.shard}'")
-    if step.attention not in ATTENTION_CHOICES:
-        raise AccelError(
-            f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got '{step.attention}'"
-        )
-    if isinstance(ema, float | int) and not 0 <= ema < 1:
-        raise AccelError(f"ema is a decay in [0, 1), got {ema}")
-    if not mesh.devices:
-        mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1))
-    if min(step.accum, mesh.devices, mesh.tp, mesh.pp) < 1:
-        raise AccelError("accum, devices, tp and pp must be at least 1")
-    compiler = cfg.compiler
-    if not compiler.cache_dir:
-        compiler = replace(compiler, cache_dir=str(cache_dir(name)))
-    return replace(cfg, backend=name, mesh=mesh, compiler=compiler)  # type: ignore[arg-type]
 
 
 class Engine:
@@ -474,7 +255,7 @@ class Engine:
         """The trained model for your own evaluation loop: `engine.model(images)` runs it in
         eval mode without gradients on the backend and returns torch tensors on the inputs'
         device (the host for jax's), whatever the backend."""
-        return EvalModel(self)
+        return EvalModel(self.runner.forward, self.state_dict)
 
     # --- what was trained -----------------------------------------------------------------------
     def state_dict(self, ema: bool = False) -> dict[str, torch.Tensor]:
@@ -597,185 +378,4 @@ class Engine:
         return dict(meta.get("extra", {}))
 
 
-class TrainedOnRead:
-    """Where the backend trains arrays of its own (jax), the model a script gave `prepare` reads
-    as the trained one: its state_dict() and its forward first copy the trained weights in
-    (Engine.sync_model), once after each step or load. Torch's public module hooks, on the
-    model itself (not its submodules); the engine is held weakly, so the model does not keep it
-    alive."""
-
-    def __init__(self, engine: Engine, model: nn.Module):
-        self.engine = weakref.ref(engine)
-        model.register_state_dict_pre_hook(self.before_state_dict)
-        model.register_forward_pre_hook(self.before_forward)
-
-    def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
-        self.sync()
-
-    def before_forward(self, module: nn.Module, args: tuple) -> None:
-        # The backend traces the model on tensors of its own (torchax's, on the "jax" device),
-        # with the weights it hands the trace: nothing to copy in then.
-        if not any(isinstance(a, torch.Tensor) and a.device.type == "jax" for a in args):
-            self.sync()
-
-    def sync(self) -> None:
-        engine = self.engine()
-        if engine is not None and not engine.reading and engine.synced != engine.changes:
-            engine.sync_model()
-
-
-class LoopPart(Protocol):
-    """The loop state a checkpoint carries: the steps done, and whatever else the loop keeps."""
-
-    step: int
-
-    def state_dict(self) -> dict[str, Any]: ...
-
-    def load_state_dict(self, state: dict[str, Any]) -> None: ...
-
-
-@dataclass
-class StepCount:
-    """The public API's loop state: the optimizer steps taken."""
-
-    step: int = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"step": self.step}
-
-    def load_state_dict(self, state: dict) -> None:
-        self.step = int(state["step"])
-
-
-def check_workers(batches: Iterable) -> None:
-    """A DataLoader's workers can start (its fork server started on this thread)."""
-    problem = fork_server.workers_problem(batches)
-    if problem:
-        raise AccelError(problem)
-
-
-def check_sharded(batches: Iterable, ranks: int) -> None:
-    """Under several processes a DataLoader must hand each rank its own part."""
-    if ranks < 2 or not isinstance(batches, DataLoader):
-        return
-    # A DataLoader's batch_sampler is a BatchSampler (torch types it as any iterable).
-    batch_sampler: Any = batches.batch_sampler
-    sampler = batch_sampler.sampler if batch_sampler else batches.sampler
-    if not isinstance(sampler, DistributedSampler):
-        raise AccelError(
-            f"{ranks} processes read the same DataLoader: give it "
-            "sampler=DistributedSampler(dataset) so each rank trains on its own part"
-        )
-
-
-class EvalModel:
-    """`engine.model`: the model a script evaluates, as a module it can call. `eval()` and
-    `train()` are accepted and change nothing (the model trains only through engine.step), and
-    `state_dict()` is the trained weights (engine.state_dict)."""
-
-    def __init__(self, engine: Engine):
-        self.engine = engine
-
-    def __call__(self, *inputs: Any) -> Any:
-        first = inputs[0] if inputs else None
-        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
-        if device.type not in ("cpu", "cuda", "xla"):
-            device = torch.device("cpu")  # jax's views: their values come back to the host
-        with user_errors("forward"):
-            out = self.engine.runner.forward(inputs)
-        return on_device(out, device)
-
-    def eval(self) -> EvalModel:
-        return self
-
-    def train(self, mode: bool = True) -> EvalModel:
-        return self
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        return self.engine.state_dict()
-
-
-def on_device(out: Any, device: torch.device) -> Any:
-    """A model's output (a tensor, or tuples, lists and dicts of them) on `device`."""
-    if isinstance(out, torch.Tensor):
-        return out.to(device)
-    if isinstance(out, tuple | list):
-        return type(out)(on_device(o, device) for o in out)
-    if isinstance(out, dict):
-        return {k: on_device(v, device) for k, v in out.items()}
-    return out
-
-
-def check_batch(batch: tuple) -> None:
-    """A step's batch is a tuple of tensors (or arrays) sharing their first, batch, axis."""
-    if not batch:
-        raise AccelError(
-            "engine.step() got no batch: give its tensors, engine.step(images, labels)"
-        )
-    for value in batch:
-        if isinstance(value, dict):
-            raise AccelError(
-                "a batch is tensors, not a dict: engine.step(batch['image'], batch['label']) "
-                "(loss_fn gets them as its batch tuple)"
-            )
-        shape = getattr(value, "shape", None)
-        if shape is None or len(shape) == 0:
-            kind = type(value).__name__ if shape is None else "a 0-dim tensor"
-            raise AccelError(f"a batch's tensors split along their first axis, got {kind}")
-
-
-def shape_text(shapes: tuple) -> str:
-    return " ".join(str(list(shape)) for shape in shapes)
-
-
-def say(line: str) -> None:
-    """A notice of one line on stderr."""
-    print(f"accel: {line}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def user_errors(where: str) -> Iterator[None]:
-    """What the backend raises while tracing, compiling or running the user's own code becomes
-    one AccelError naming the user's file and line (and the op, where the error names one);
-    errors inside accel's or the libraries' own code keep their traceback."""
-    try:
-        yield
-    except (ConfigError, BackendUnavailable, RecompileError):
-        raise  # already one line (or the launcher's own exit)
-    except Exception as err:
-        frame = user_frame(traceback.extract_tb(err.__traceback__))
-        if frame is None:
-            raise
-        detail = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
-        raise AccelError(
-            f"{type(err).__name__} in the {where} at {frame.filename}:{frame.lineno} "
-            f"({(frame.line or '').strip()}): {detail[:300]}"
-        ) from None
-
-
-class SkipWatch:
-    """Steps whose update was skipped (a non-finite loss or gradient): none applied of the first
-    LIMIT is an error; LIMIT in a row later is said once."""
-
-    LIMIT = 10
-
-    def __init__(self) -> None:
-        self.seen = self.in_row = 0
-        self.applied = self.said = False
-
-    def watch(self, results: Sequence[StepResult], main: bool) -> None:
-        for result in results:
-            self.seen += 1
-            self.applied |= result.applied
-            self.in_row = 0 if result.applied else self.in_row + 1
-        if not self.applied and self.seen >= self.LIMIT:
-            raise AccelError(
-                f"none of the first {self.seen} steps applied its update: the loss or the "
-                "gradients were not finite in every one (check the loss and the learning rate)"
-            )
-        if self.in_row >= self.LIMIT and not self.said and main:
-            self.said = True
-            say(f"the last {self.in_row} steps skipped their update (non-finite loss or gradients)")
-
-
-__all__ = ["AccelError", "Engine", "StepResult", "choose_backend", "prepare"]
+__all__ = ["AccelError", "Engine", "StepResult"]

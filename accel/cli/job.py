@@ -18,7 +18,8 @@ from torch import nn
 import accel
 from accel.cli.config import OptimConfig, RunConfig
 from accel.config import BackendConfig, CompilerConfig, MeshConfig, StepConfig
-from accel.engine import Engine, LoopPart
+from accel.engine import Engine
+from accel.loop import LoopPart
 from accel.losses import classifier_loss
 from accel.models.factory import ImageClassifier, create_model, meta_model
 

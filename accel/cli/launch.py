@@ -25,8 +25,8 @@ from accel.backends.base import BackendModule, BackendUnavailable, RecompileErro
 from accel.checkpoint import flatten  # noqa: E402
 from accel.cli.config import RunConfig, from_dict  # noqa: E402
 from accel.cli.job import backend_config  # noqa: E402
-from accel.cli.options import build_parser, config_from_args  # noqa: E402
 from accel.cli.messages import as_flags  # noqa: E402
+from accel.cli.options import build_parser, config_from_args  # noqa: E402
 from accel.cli.resolve import resolve  # noqa: E402
 from accel.cli.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from accel.config import ConfigError  # noqa: E402

@@ -281,7 +281,7 @@ def test_the_apis_step_reads_nothing_back_to_the_host(backend):
 @pytest.mark.jax
 def test_what_a_backend_does_not_support_is_refused_before_it_starts():
     model = Net()
-    with pytest.raises(accel.AccelError, match="amp_dtype=.float16. is not supported by the jax"):
+    with pytest.raises(accel.AccelError, match=r"amp_dtype=.float16. is not supported by the jax"):
         accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="jax", amp="O1",
                       amp_dtype="float16", quiet=True)  # fmt: skip
 
@@ -293,7 +293,7 @@ def test_a_shard_mode_the_backend_lacks_is_refused_in_one_line():
     ):
         accel.prepare(model, grouped(model, "sgd"), loss_fn, shard="half", quiet=True)
     if HAS_XLA:  # FSDPv2 splits the weights too: xla has no grad_op
-        with pytest.raises(accel.AccelError, match="shard=.grad_op. is not supported by the xla"):
+        with pytest.raises(accel.AccelError, match=r"shard=.grad_op. is not supported by the xla"):
             accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="xla", shard="grad_op",
                           quiet=True)  # fmt: skip
 

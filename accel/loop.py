@@ -1,0 +1,141 @@
+"""What the Engine checks and keeps of the loop around it: the batches it is given, the step
+count checkpoints carry, skipped steps, and a user's error in one line."""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import traceback
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from torch.utils.data import DataLoader, DistributedSampler
+
+from accel.backends.base import (
+    BackendUnavailable,
+    RecompileError,
+    StepResult,
+)
+from accel.backends.host_reads import user_frame
+from accel.config import (
+    AccelError,
+    ConfigError,
+)
+from accel.data import fork_server
+
+
+class LoopPart(Protocol):
+    """The loop state a checkpoint carries: the steps done, and whatever else the loop keeps."""
+
+    step: int
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+@dataclass
+class StepCount:
+    """The public API's loop state: the optimizer steps taken."""
+
+    step: int = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state["step"])
+
+
+def check_workers(batches: Iterable) -> None:
+    """A DataLoader's workers can start (its fork server started on this thread)."""
+    problem = fork_server.workers_problem(batches)
+    if problem:
+        raise AccelError(problem)
+
+
+def check_sharded(batches: Iterable, ranks: int) -> None:
+    """Under several processes a DataLoader must hand each rank its own part."""
+    if ranks < 2 or not isinstance(batches, DataLoader):
+        return
+    # A DataLoader's batch_sampler is a BatchSampler (torch types it as any iterable).
+    batch_sampler: Any = batches.batch_sampler
+    sampler = batch_sampler.sampler if batch_sampler else batches.sampler
+    if not isinstance(sampler, DistributedSampler):
+        raise AccelError(
+            f"{ranks} processes read the same DataLoader: give it "
+            "sampler=DistributedSampler(dataset) so each rank trains on its own part"
+        )
+
+
+def check_batch(batch: tuple) -> None:
+    """A step's batch is a tuple of tensors (or arrays) sharing their first, batch, axis."""
+    if not batch:
+        raise AccelError(
+            "engine.step() got no batch: give its tensors, engine.step(images, labels)"
+        )
+    for value in batch:
+        if isinstance(value, dict):
+            raise AccelError(
+                "a batch is tensors, not a dict: engine.step(batch['image'], batch['label']) "
+                "(loss_fn gets them as its batch tuple)"
+            )
+        shape = getattr(value, "shape", None)
+        if shape is None or len(shape) == 0:
+            kind = type(value).__name__ if shape is None else "a 0-dim tensor"
+            raise AccelError(f"a batch's tensors split along their first axis, got {kind}")
+
+
+def shape_text(shapes: tuple) -> str:
+    return " ".join(str(list(shape)) for shape in shapes)
+
+
+def say(line: str) -> None:
+    """A notice of one line on stderr."""
+    print(f"accel: {line}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def user_errors(where: str) -> Iterator[None]:
+    """What the backend raises while tracing, compiling or running the user's own code becomes
+    one AccelError naming the user's file and line (and the op, where the error names one);
+    errors inside accel's or the libraries' own code keep their traceback."""
+    try:
+        yield
+    except (ConfigError, BackendUnavailable, RecompileError):
+        raise  # already one line (or the launcher's own exit)
+    except Exception as err:
+        frame = user_frame(traceback.extract_tb(err.__traceback__))
+        if frame is None:
+            raise
+        detail = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        raise AccelError(
+            f"{type(err).__name__} in the {where} at {frame.filename}:{frame.lineno} "
+            f"({(frame.line or '').strip()}): {detail[:300]}"
+        ) from None
+
+
+class SkipWatch:
+    """Steps whose update was skipped (a non-finite loss or gradient): none applied of the first
+    LIMIT is an error; LIMIT in a row later is said once."""
+
+    LIMIT = 10
+
+    def __init__(self) -> None:
+        self.seen = self.in_row = 0
+        self.applied = self.said = False
+
+    def watch(self, results: Sequence[StepResult], main: bool) -> None:
+        for result in results:
+            self.seen += 1
+            self.applied |= result.applied
+            self.in_row = 0 if result.applied else self.in_row + 1
+        if not self.applied and self.seen >= self.LIMIT:
+            raise AccelError(
+                f"none of the first {self.seen} steps applied its update: the loss or the "
+                "gradients were not finite in every one (check the loss and the learning rate)"
+            )
+        if self.in_row >= self.LIMIT and not self.said and main:
+            self.said = True
+            say(f"the last {self.in_row} steps skipped their update (non-finite loss or gradients)")

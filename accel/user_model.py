@@ -1,0 +1,90 @@
+"""The user's own model beside the Engine: kept current on a backend that trains arrays of
+its own (TrainedOnRead), and the trained model as a callable for an evaluation loop (EvalModel)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from accel.loop import user_errors
+
+
+class Trained(Protocol):
+    """What TrainedOnRead reads the trained weights from (the Engine)."""
+
+    reading: bool  # the engine reads the given model itself: the hooks stand by
+    synced: int  # the changes the given model holds
+    changes: int  # steps and loads so far
+
+    def sync_model(self) -> nn.Module: ...
+
+
+class TrainedOnRead:
+    """Where the backend trains arrays of its own (jax), the model a script gave `prepare` reads
+    as the trained one: its state_dict() and its forward first copy the trained weights in
+    (Engine.sync_model), once after each step or load. Torch's public module hooks, on the
+    model itself (not its submodules); the engine is held weakly, so the model does not keep it
+    alive."""
+
+    def __init__(self, engine: Trained, model: nn.Module):
+        self.engine = weakref.ref(engine)
+        model.register_state_dict_pre_hook(self.before_state_dict)
+        model.register_forward_pre_hook(self.before_forward)
+
+    def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
+        self.sync()
+
+    def before_forward(self, module: nn.Module, args: tuple) -> None:
+        # The backend traces the model on tensors of its own (torchax's, on the "jax" device),
+        # with the weights it hands the trace: nothing to copy in then.
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "jax" for a in args):
+            self.sync()
+
+    def sync(self) -> None:
+        engine = self.engine()
+        if engine is not None and not engine.reading and engine.synced != engine.changes:
+            engine.sync_model()
+
+
+class EvalModel:
+    """`engine.model`: the model a script evaluates, as a module it can call. `eval()` and
+    `train()` are accepted and change nothing (the model trains only through engine.step), and
+    `state_dict()` is the trained weights (engine.state_dict)."""
+
+    def __init__(
+        self, forward: Callable[[tuple], Any], state_dict: Callable[[], dict[str, torch.Tensor]]
+    ):
+        self.forward, self.trained_state = forward, state_dict
+
+    def __call__(self, *inputs: Any) -> Any:
+        first = inputs[0] if inputs else None
+        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+        if device.type not in ("cpu", "cuda", "xla"):
+            device = torch.device("cpu")  # jax's views: their values come back to the host
+        with user_errors("forward"):
+            out = self.forward(inputs)
+        return on_device(out, device)
+
+    def eval(self) -> EvalModel:
+        return self
+
+    def train(self, mode: bool = True) -> EvalModel:
+        return self
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.trained_state()
+
+
+def on_device(out: Any, device: torch.device) -> Any:
+    """A model's output (a tensor, or tuples, lists and dicts of them) on `device`."""
+    if isinstance(out, torch.Tensor):
+        return out.to(device)
+    if isinstance(out, tuple | list):
+        return type(out)(on_device(o, device) for o in out)
+    if isinstance(out, dict):
+        return {k: on_device(v, device) for k, v in out.items()}
+    return out
