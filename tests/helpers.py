@@ -373,6 +373,13 @@ def backend_tensors(backend) -> dict:
     return flat_tensors(to_cpu(backend.checkpoint_state()))
 
 
+def engine_tensors(engine) -> dict:
+    """What an Engine would save now (its checkpoint's tensors), whole, by flattened name."""
+    from accel.checkpoint import to_cpu
+
+    return flat_tensors(to_cpu(engine.checkpoint_parts().tensors.state_dict()))
+
+
 def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:
     """The launcher's process of `rank`, once started; children that come and go while it looks
     (the loader's short-lived helpers) are passed over."""

@@ -38,21 +38,22 @@ def test_the_torch_step_makes_no_host_sync_and_takes_pinned_side_stream_batches(
 ):
     cfg = micro_config(tmp_path, backend=backend, amp_level=level, steps=8)
     trainer = Trainer(cfg, DistContext())
-    assert trainer.engine.runner.pin_memory  # the loader hands over pinned host memory
+    engine = trainer.engine
+    assert engine.pin_memory  # the loader hands over pinned host memory
     host = [b for _, b in zip(range(3), trainer.data.loader, strict=False)]
     assert all(b["images"].is_pinned() for b in host)
-    batches = trainer.engine.runner.device_batches((b["images"], b["targets"]) for b in host)
+    batches = engine.loader((b["images"], b["targets"]) for b in host)
     warm = [next(batches) for _ in range(2)]
     for micro in ([warm[0]], [warm[1]]):  # warm-up: compiles and allocations may sync
-        trainer.engine.runner.train_step(micro, 1e-3)
+        engine.step_micro_batches(micro)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for _ in range(3):
-            handle = trainer.engine.runner.train_step([warm[0]], 1e-3)
+            handle = engine.step_micro_batches([warm[0]])
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    loss, applied = trainer.engine.runner.fetch_results([handle])[0]
+    loss, applied = engine.fetch([handle])[0]
     assert math.isfinite(loss) and applied
 
 

@@ -56,7 +56,7 @@ def train(backend: str, kind: str, steps: int = 5, **options) -> tuple[list[floa
     )
     handles = [engine.step(*b) for b in engine.loader(batches(steps))]
     losses = [r.loss for r in engine.fetch(handles)]
-    return losses, engine.runner.checkpoint_state()["model"]
+    return losses, engine.state_dict()
 
 
 _reference: dict = {}
@@ -99,11 +99,11 @@ def test_accumulation_and_the_ema_and_evaluation(backend):
     engine = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, ema=0.5)
     engine.fetch([engine.step(*b) for b in batches()])
     ema = engine.evaluate(batches(), metric_fn, ema=True)
-    state = engine.runner.checkpoint_state()
-    assert not torch.equal(state["ema"]["head.weight"], state["model"]["head.weight"])
+    averaged, trained = engine.state_dict(ema=True), engine.state_dict()
+    assert not torch.equal(averaged["head.weight"], trained["head.weight"])
     model = Net()  # the EMA's weights as a model's own: the same sums
+    model.load_state_dict(averaged)
     other = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, quiet=True)
-    other.runner.load_checkpoint_state({"model": state["ema"], "optim": state["optim"]})
     assert other.evaluate(batches(), metric_fn) == ema
     assert ema["count"] == 80
 
@@ -123,7 +123,7 @@ def test_batches_split_beforehand_take_the_same_step_as_accum():
             halves = [tuple(t[i * 8 : (i + 1) * 8] for t in batch) for i in range(2)]
             handle = engine.step_micro_batches(halves) if presplit else engine.step(*batch)
             results.append((engine.fetch([handle])[0].loss, engine.lr))
-        weights = engine.runner.checkpoint_state()["model"]
+        weights = engine.state_dict()
         results.append(weights["head.weight"])
     plain, split = results[:4], results[4:]
     assert split[:3] == plain[:3]
@@ -236,7 +236,7 @@ def test_a_loss_that_reads_a_value_on_the_host_is_refused_with_its_line(backend)
     line = str(err.value)
     assert "\n" not in line and f"{Path(__file__).name}:" in line
     assert 'print(f"loss {loss.item()}")' in line
-    state = engine.runner.checkpoint_state()["model"]
+    state = engine.state_dict()
     assert all(torch.equal(state[n].cpu(), before[n]) for n in before)  # no weight changed
 
 

@@ -14,14 +14,14 @@ from accel.cli.launch import EXIT_NONFINITE, main
 from accel.cli.train import Trainer
 from accel.distributed import DistContext
 from tests import nan_model
-from tests.helpers import NAN_EPOCHS, backend_tensors, checkpoint_tensors, nan_config, same_state
+from tests.helpers import NAN_EPOCHS, checkpoint_tensors, engine_tensors, nan_config, same_state
 
 EPOCHS = NAN_EPOCHS
 
 
 def _state(trainer_or_path) -> dict[str, torch.Tensor]:
     if isinstance(trainer_or_path, Trainer):
-        return backend_tensors(trainer_or_path.engine.runner)
+        return engine_tensors(trainer_or_path.engine)
     return checkpoint_tensors(trainer_or_path)
 
 

@@ -24,9 +24,45 @@ PRIVATE = [
 ]
 
 
+# ... of the optional frameworks, each where its backend uses it: (package, module, attribute).
+OPTIONAL_PRIVATE = [
+    # accel/backends/xla/runtime.py: torch_xla's own switch of torchax's import
+    ("torch_xla", "torch_xla._internal.jax_workarounds", "maybe_get_torchax"),
+]
+
+
 @pytest.mark.parametrize(("module", "name"), PRIVATE, ids=[f"{m}.{n}" for m, n in PRIVATE])
 def test_each_private_name_used_exists(module, name):
     assert hasattr(importlib.import_module(module), name)
+
+
+@pytest.mark.parametrize(
+    ("package", "module", "name"),
+    OPTIONAL_PRIVATE,
+    ids=[f"{m}.{n}" for _, m, n in OPTIONAL_PRIVATE],
+)
+def test_each_private_name_of_an_optional_framework_exists(package, module, name):
+    pytest.importorskip(package, reason=f"{package} is not installed: its backend is unavailable")
+    assert hasattr(importlib.import_module(module), name)
+
+
+def test_the_private_members_the_jax_backend_reads_exist():
+    """Members of objects rather than modules: a jitted function's compile count
+    (accel/backends/jax/compiled.py: jax has no public count of a function's compiles) and
+    torchax's operator table (accel/backends/jax/tracing.py: torchax 0.0.13's
+    override_op_definition omits is_view_op)."""
+    jax = pytest.importorskip("jax", reason="jax is not installed: its backend is unavailable")
+    from accel.backends import jax as jax_backend
+
+    jax_backend.require()  # imports torchax through the shim
+    torchax = importlib.import_module("torchax")
+    jitted = jax.jit(lambda x: x + 1)
+    assert jitted._cache_size() == 0
+    jitted(1)
+    assert jitted._cache_size() == 1
+    with torchax_compat.removed_ops():
+        env = torchax.default_env()
+    assert isinstance(env._ops, dict) and torch.ops.aten.add.Tensor in env._ops
 
 
 def test_every_method_the_project_overrides_exists_on_the_base():
@@ -73,11 +109,12 @@ def test_a_missing_op_is_a_stand_in_only_inside_the_shim(monkeypatch):
 
 def test_torchax_imports_and_its_environment_starts_on_this_torch():
     from accel.backends import jax as jax_backend
+    from accel.backends.jax import runtime
 
     jax_backend.require()  # imports torchax through the shim
-    assert jax_backend.IMPORT_ERROR is None and jax_backend.torchax is not None
+    assert jax_backend.IMPORT_ERROR is None and runtime.torchax is not None
     with torchax_compat.removed_ops():
-        assert jax_backend.torchax.default_env() is not None
+        assert runtime.torchax.default_env() is not None
 
 
 def test_any_failure_importing_torchax_is_one_line_naming_the_versions(tmp_path):
