@@ -4,6 +4,7 @@ from the keywords or one `config=` (accel/config.py), settled and checked here o
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
 import os
 import sys
@@ -11,6 +12,7 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -151,11 +153,18 @@ def prepare(
     """
     if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
         raise AccelError("prepare runs as the script is imported: call it under its main guard")
-    mesh = (devices, shard, tp, tp_plan, pp)
-    given = keyword_config(backend, clip_grad, accum, amp, amp_dtype, mesh, seed, attention)
-    if config is not None and given != keyword_config(*KEYWORD_DEFAULTS):
-        raise AccelError("give the backend's settings as config= or as keywords, not both")
-    cfg = config or replace(given, step=replace(given.step, ema=ema is not None))
+    keywords = dict(
+        backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
+        devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
+        attention=attention,
+    )  # fmt: skip
+    given = [k for k, v in keywords.items() if v != CONFIG_KEYWORDS[k]]
+    if config is not None and given:
+        raise AccelError(
+            f"give the backend's settings as config= or as keywords, not both ({', '.join(given)}"
+            " given with config=)"
+        )
+    cfg = config or keyword_config(ema=ema is not None, **keywords)
     if cfg.step.ema and ema is None:
         ema = DEFAULT_EMA_DECAY
     name, why = choose_backend(cfg.backend or None)
@@ -202,30 +211,27 @@ def prepare(
     return engine
 
 
-# prepare's own
-KEYWORD_DEFAULTS = (None, 0.0, 1, "O0", "bfloat16", (None, "none", 1, None, 1), 0, "auto")
-
-
 DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)
+# prepare's keywords that are also BackendConfig fields, with their defaults: read from its
+# signature, so that the defaults are written once.
+CONFIG_KEYWORDS = {
+    name: parameter.default
+    for name, parameter in inspect.signature(prepare).parameters.items()
+    if name in ("backend", "clip_grad", "accum", "amp", "amp_dtype", "devices", "shard", "tp")
+    or name in ("tp_plan", "pp", "seed", "attention")
+}
 
 
-def keyword_config(
-    backend: str | None,
-    clip_grad: float,
-    accum: int,
-    amp: str,
-    amp_dtype: str,
-    mesh: tuple[int | None, str, int, Mapping[str, str] | None, int],
-    seed: int,
-    attention: str = "auto",
-) -> BackendConfig:
-    """prepare's keywords as the library's config (checked by `settled`); `mesh`: devices,
-    shard, tp, tp_plan and pp."""
-    step = StepConfig(amp, amp_dtype, clip_grad, accum, seed=seed)  # type: ignore[arg-type]
-    step = replace(step, attention=attention)  # type: ignore[arg-type]
-    devices, shard, tp, tp_plan, pp = mesh
-    layout = MeshConfig(devices or 0, shard, tp, tp_plan, pp=pp)  # type: ignore[arg-type]
-    return BackendConfig(backend or "", step, layout)  # type: ignore[arg-type]
+def keyword_config(ema: bool, **keywords: Any) -> BackendConfig:
+    """prepare's keywords (those of CONFIG_KEYWORDS) as the library's config, checked later by
+    `settled`; `ema`: whether an EMA is kept."""
+    k = keywords
+    step = StepConfig(
+        k["amp"], k["amp_dtype"], k["clip_grad"], k["accum"], ema, k["seed"],
+        attention=k["attention"],
+    )  # fmt: skip
+    mesh = MeshConfig(k["devices"] or 0, k["shard"], k["tp"], k["tp_plan"], pp=k["pp"])
+    return BackendConfig(k["backend"] or "", step, mesh)  # type: ignore[arg-type]  # "": open
 
 
 def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> BackendConfig:
