@@ -16,16 +16,16 @@ from accel.config import BACKENDS, BackendConfig, ConfigError
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 # Where each backend lives: a module, or a package whose __init__ gives BackendModule's names.
 BACKEND_MODULES = {
-    "eager": "accel.backends.eager",
-    "compile": "accel.backends.compile",
+    "eager": "accel.backends.torch_family.eager",
+    "compile": "accel.backends.torch_family.compile",
     "xla": "accel.backends.xla",
     "jax": "accel.backends.jax",
 }
 
 
 def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """(backend, why) from a name asked for (`backend=`, `--backend`), else ACCEL_BACKEND, else
-    USE_ACCEL=1 (the XLA compiler: jax on a CUDA GPU, xla elsewhere), else eager.
+    """(backend, why) from a name asked for (`backend=`), else ACCEL_BACKEND, else USE_ACCEL=1
+    (the XLA compiler: jax on a CUDA GPU, xla elsewhere), else eager.
 
     >>> resolve_backend(None, {"ACCEL_BACKEND": "jax"})
     ('jax', 'ACCEL_BACKEND')

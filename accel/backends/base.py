@@ -21,8 +21,8 @@ from accel.config import AMP_LEVELS, BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 
-# uint8 NCHW images, float soft targets, and (with --reprob) int32 [N, K, 6] erasing rectangles
-# (the command line's); any tensors a user's loss function takes (the public API's).
+# Any tensors a user's loss function takes, each split along its first dimension (the command
+# line's: uint8 NCHW images, float soft targets and, with random erasing, int32 rectangles).
 Batch = tuple[torch.Tensor, ...]
 # (model, batch) -> scalar loss: the model is called inside, so every backend can trace it.
 LossFn = Callable[[Callable[..., torch.Tensor], Batch], torch.Tensor]
@@ -101,7 +101,7 @@ class BackendUnavailable(RuntimeError):
 
 
 class RecompileError(RuntimeError):
-    """The compiled graph keeps changing after warm-up (--max_recompiles): one line, exit 3."""
+    """The compiled graph keeps changing after warm-up (max_recompiles=): one line, exit 3."""
 
 
 @dataclass(frozen=True)
@@ -109,20 +109,20 @@ class Supports:
     """What a backend can run; the launcher refuses the rest in one line, before any work."""
 
     amp_levels: tuple[str, ...] = AMP_LEVELS
-    float16: bool = False  # --amp_dtype float16 (loss scaling)
-    shard: tuple[str, ...] = ("none",)  # --shard modes
+    float16: bool = False  # amp_dtype='float16' (loss scaling)
+    shard: tuple[str, ...] = ("none",)  # shard= modes
     tp: bool = False  # transformer blocks split by tensors
     tp_head: bool = False  # the classifier split by class
     pp: bool = False
     # Options that cannot run together here: (flag, flag, why), refused in one line naming both.
     exclusive: tuple[tuple[str, str, str], ...] = ()
     remat: bool = False
-    data_device_gpu: bool = False  # --data_device gpu (JPEGs decoded on the CUDA device)
-    # How --nproc_per_node N runs: "processes" (torchrun, one a device) or "devices" (one
+    data_device_gpu: bool = False  # data_device='gpu' (JPEGs decoded on the CUDA device)
+    # How devices=N runs: "processes" (torchrun, one a device) or "devices" (one
     # process drives N devices).
     replicas: str = "processes"
     cpu_replicas: bool = True  # more than one replica on a CPU machine
-    kernel_opt: str = "nothing"  # what --kernel-opt adds
+    kernel_opt: str = "nothing"  # what kernel_opt=True adds
 
 
 @dataclass
@@ -187,7 +187,7 @@ class Backend(Protocol):
     ) -> Any:
         """One optimizer step over `micro_batches` (gradient accumulation) at learning rate `lr`
         (one base rate, each group scaled by its lr_scale, or one rate per group), and the weights'
-        EMA with `ema_decay` (--model_ema), left undone where the loss or the gradients are not
+        EMA with `ema_decay` (ema=), left undone where the loss or the gradients are not
         finite; returns a handle of the loss and of whether the update was applied, which stays
         on the device until `fetch_results`."""
 
@@ -206,11 +206,11 @@ class Backend(Protocol):
     ) -> dict[str, float]:
         """Sums of `metric_fn(model, batch)` over host or device batches, summed over ranks;
         with `ema`, of the EMA weights. The one evaluation: the command line's is
-        losses.classifier_metrics over masked, padded batches."""
+        a classifier's metrics over masked, padded batches."""
 
     def checkpoint_state(self) -> dict[str, Any]:
         """{'model': {name: tensor}, 'optim': {name: {'step', 'exp_avg', 'exp_avg_sq'}}, and
-        with --model_ema 'ema': {name: tensor}} by the full model's parameter names: whole CPU
+        with an EMA (ema=) 'ema': {name: tensor}} by the full model's parameter names: whole CPU
         tensors for a one-file checkpoint, or this rank's part (DTensors, or the parameters it
         holds) for a sharded one. Loading fills the same structure in place of the values."""
 
