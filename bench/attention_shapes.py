@@ -1,6 +1,6 @@
 """jax's attention per shape: XLA's own ops against cuDNN flash attention (padded), forward and
 backward, at the shapes Swin and ViT models train with. What `--attention auto` picks from
-(AUTO_RULES in accel/backends/jax_attention.py).
+(AUTO_RULES in accel/backends/jax/attention.py).
 
     python bench/attention_shapes.py                       # batch 128, bf16, on the GPU
     python bench/attention_shapes.py --batch_size 2 --iters 2   # the harness, on a CPU

@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
 
 from accel.backends import jax as jax_backend
+from accel.backends.jax import runtime as jax_runtime
 from accel.backends.base import BackendUnavailable
 from accel.checkpoint import latest_checkpoint, to_cpu
 from accel.cli.train import Trainer
@@ -95,7 +96,7 @@ def test_checkpoints_cross_between_jax_and_eager(tmp_path):
 
 def test_an_op_torchax_cannot_lower_is_named_with_the_model(tmp_path, monkeypatch):
     jax_backend.require()  # torchax, imported through the compatibility shim
-    env = jax_backend.torchax.default_env()
+    env = jax_runtime.torchax.default_env()
     monkeypatch.delitem(env._ops, torch.ops.aten.gelu)  # as if torchax had no gelu lowering
     with pytest.raises(BackendUnavailable, match=r"vit_micro.*aten::gelu"):
         _train(tmp_path, "jax", steps=1)

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from jax.sharding import Mesh
 
-from accel.backends.jax.step import OptaxGroups, make_train_step
+from accel.backends.jax.optimizer import OptaxGroups
+from accel.backends.jax.step import make_train_step
 from accel.optim import OptimizerSpec
 
 

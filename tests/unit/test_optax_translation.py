@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 
-from accel.backends.jax.step import OptaxGroups
+from accel.backends.jax.optimizer import OptaxGroups
 from accel.optim import LearningRates, OptimizerSpec
 from tests.helpers import LR, Net, grouped
 

@@ -1,12 +1,97 @@
-"""The jax backend: the same torch model lowered to JAX by torchax and compiled by XLA."""
+"""JAX backend: the same torch model lowered to JAX by torchax and compiled by XLA (CPU, GPU, TPU).
 
-from typing import Any
+The training step is one pure function under jax.jit: forward, soft-target loss, JAX autodiff,
+an explicit gradient mean over the devices of a 1-D 'data' mesh (shard_map + pmean, the same
+contract as the xla backend's all-reduce), then optax AdamW. With tensor parallelism (tp=) the
+mesh is 2-D, ('data', 'model'): the plan's linear layers split their weights over 'model' (and
+with shard='full' every weight over 'data' too), the step is one program over the global batch,
+and XLA's SPMD partitioner adds the collectives. Weights and optimizer state are donated. The
+learning rate comes in as an argument each step, read from the same timm schedule as the torch
+backends, so it never triggers a recompile.
 
-from accel.backends.jax import backend
-from accel.backends.jax.backend import SUPPORTS, JaxBackend, build, context, require
+One process drives its local devices (devices= of them). Multi-host: start one process per host
+with JAX_COORDINATOR_ADDRESS, JAX_NUM_PROCESSES and JAX_PROCESS_ID set; the backend calls
+jax.distributed.initialize(), the mesh spans every host's devices and each process feeds its shard.
 
-__all__ = ["SUPPORTS", "JaxBackend", "build", "context", "require"]
+The parts, one job each: runtime.py (torchax loaded, processes joined, the devices as a mesh,
+batches put on them, collectives), state.py (the trained arrays, their layout on the mesh, the
+checkpoint's names, the random keys' count), values.py (torch and JAX values each way),
+optimizer.py (a torch optimizer as optax), step.py (the training step as a pure function),
+tracing.py (the torch model run by torchax, attention routed to attention.py's kernels),
+compiled.py (the compiled step and evaluation, compile accounting), backend.py (JaxBackend: their
+composition), torchax_compat.py (the shim that lets torchax import on a newer torch).
+"""
+
+from __future__ import annotations
+
+import os
+
+from accel.backends.base import BackendUnavailable, Supports
+from accel.config import BackendConfig
+from accel.distributed import DistContext
+from accel.versions import installed
+
+INSTALL = "pip install 'accel[jax]' (jax, torchax, optax)"
+SUPPORTS = Supports(
+    shard=("none", "full", "grad_op"),
+    tp=True,
+    remat=True,
+    data_device_gpu=True,
+    replicas="devices",
+    kernel_opt="nothing more: attention always runs through jax.nn.dot_product_attention "
+    "(cuDNN flash attention on GPU)",
+)
+
+try:
+    # The parts import jax and optax, not torchax (require() loads it: see runtime.py).
+    from accel.backends.jax.backend import JaxBackend
+    from accel.backends.jax.runtime import join, load_torchax
+    from accel.backends.jax.tracing import attention_override
+
+    IMPORT_ERROR: BaseException | None = None
+except Exception as err:  # reported by require() as one line: missing, or not for this torch
+    IMPORT_ERROR = err
+
+# JAX's GPU client takes this fraction of the card when it starts (its default, 0.75, leaves a
+# quarter of an 80 GB card unused); set before the first device query, a user's value wins.
+RUNTIME_ENV = {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.92"}
 
 
-def __getattr__(name: str) -> Any:
-    return getattr(backend, name)
+def require() -> None:
+    """Refuses in one line where jax, optax or torchax is missing or cannot import on this torch;
+    otherwise imports torchax (see load_torchax)."""
+    error = IMPORT_ERROR or load_torchax()
+    if isinstance(error, ImportError):
+        raise BackendUnavailable(f"the jax backend needs jax, torchax and optax: {INSTALL}")
+    if error is not None:
+        versions = ", ".join(f"{p} {installed(p)}" for p in ("torch", "torchax", "jax"))
+        raise BackendUnavailable(
+            f"the jax backend cannot start: importing torchax failed with {versions} "
+            f"({type(error).__name__}: {error}); install a torchax release "
+            "made for this torch, or a torch torchax supports"
+        )
+    for name, value in RUNTIME_ENV.items():
+        os.environ.setdefault(name, value)
+
+
+def context(cfg: BackendConfig) -> DistContext:
+    """One process drives its local devices; several processes (hosts) join through
+    jax.distributed into one mesh, and each feeds its own shard of the data."""
+    return join(cfg)
+
+
+def build(cfg: BackendConfig, ctx: DistContext) -> JaxBackend:
+    require()  # torchax in, where prepare's check did not already bring it
+    return JaxBackend(cfg, ctx)
+
+
+__all__ = [
+    "INSTALL",
+    "SUPPORTS",
+    "JaxBackend",
+    "attention_override",
+    "build",
+    "context",
+    "load_torchax",
+    "require",
+]

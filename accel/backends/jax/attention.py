@@ -1,7 +1,7 @@
 """Attention for the jax backend: torch's scaled_dot_product_attention as
 jax.nn.dot_product_attention, on cuDNN flash attention or on XLA's own ops, chosen per shape.
 
-The choice (`prepare(attention=...)`, `--attention`): "xla" runs every attention as XLA's ops
+The choice (`prepare(attention=...)`): "xla" runs every attention as XLA's ops
 (no custom call); "cudnn" takes cuDNN flash attention for every shape it can; "auto" picks per
 shape from AUTO_RULES below, measured on a GPU: XLA for Swin's biased windows, cuDNN for ViT's.
 
@@ -10,7 +10,7 @@ tokens are padded to a multiple of 16 and the true lengths passed as `query_seq_
 `key_value_seq_lengths`: cuDNN masks the padded keys, and the padded query rows are sliced off.
 A shape, dtype or mask that cuDNN refuses falls back to XLA's attention, named once in a warning.
 Without a CUDA GPU every shape runs on XLA, and stats() still says what each shape would take.
-Part of the jax backend (imported only by accel/backends/jax.py).
+Part of the jax backend (imported only by accel/backends/jax/).
 """
 
 from __future__ import annotations

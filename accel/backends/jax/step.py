@@ -1,182 +1,20 @@
-"""The jax backend's pure parts, apart from torchax and the run: torch and JAX values each way, a
-torch optimizer translated to optax (one chain per param group, its state mapped onto torch's by
-name), and the whole training step as one pure function (make_train_step). Part of jax.py, which
-imports it once jax is known to be installed."""
+"""The jax backend's training step as one pure function (make_train_step), apart from torchax and
+the run: forward, loss, gradients averaged over the devices, clipping, the optimizer, the EMA, and a
+non-finite step skipped."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-import torch
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accel.amp import AmpPolicy
-from accel.config import ConfigError
-from accel.optim import OptimizerSpec
+from accel.backends.jax.optimizer import OptaxGroups
 
-
-# --- torch <-> jax ----------------------------------------------------------------------------
-def jnp_dtype(dtype: torch.dtype) -> jnp.dtype:
-    """The one place a torch dtype becomes a jnp one (JAX refuses torch dtypes in astype)."""
-    table = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
-    if dtype not in table:
-        raise ConfigError(f"the jax backend has no {dtype} floating-point mode")
-    return jnp.dtype(table[dtype])
-
-
-@dataclass(frozen=True)
-class Precision:
-    """An AMP level in jnp dtypes: what the step computes in, what weights and moments are
-    stored in."""
-
-    compute: jnp.dtype
-    store: jnp.dtype
-
-    @classmethod
-    def of(cls, amp: AmpPolicy) -> Precision:
-        low = jnp_dtype(amp.dtype)
-        return cls(
-            compute=jnp.dtype(jnp.float32) if amp.level == "O0" else low,
-            store=low if amp.level == "O3" else jnp.dtype(jnp.float32),
-        )
-
-
-def to_jax(tensor: torch.Tensor, dtype: jnp.dtype | None = None) -> jax.Array:
-    value = tensor.detach().cpu()
-    array = jnp.asarray(value.float().numpy() if value.dtype == torch.bfloat16 else value.numpy())
-    return array if dtype is None else cast_floating(array, dtype)
-
-
-def host_value(array: jax.Array) -> np.ndarray:
-    """A replicated array's value on this host (across processes, the local copy: JAX will
-    not fetch arrays that span other hosts' devices)."""
-    if array.is_fully_addressable:
-        return np.asarray(jax.device_get(array))
-    return np.asarray(array.addressable_data(0))
-
-
-def to_torch(array: jax.Array) -> torch.Tensor:
-    host = host_value(array)
-    if host.dtype == jnp.bfloat16:
-        return torch.from_numpy(host.astype(np.float32)).to(torch.bfloat16)
-    return torch.from_numpy(host.copy())
-
-
-def cast_floating(tree: Any, dtype: jnp.dtype) -> Any:
-    dtype = jnp.dtype(dtype)  # a torch dtype raises here, not deep inside a trace
-    return jax.tree.map(
-        lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree
-    )
-
-
-# --- optimizer: a torch optimizer's groups as optax transforms --------------------------------
-class OptaxGroups:
-    """torch.optim.AdamW, Adam and SGD as optax transforms, one chain per param group over that
-    group's parameters (by name), so every group keeps its own hyperparameters and its state
-    maps one to one onto torch's (`step`, `exp_avg`, `exp_avg_sq`; `momentum_buffer`). The
-    learning rate is not part of a chain: the step multiplies each group's update by -lr, the
-    rate being an argument of the step (a changing schedule never recompiles it)."""
-
-    def __init__(self, spec: OptimizerSpec):
-        refused = spec.refusals(translatable=True)
-        if refused:
-            raise ConfigError(
-                f"the jax backend has no optax translation of {spec.kind} with "
-                f"{', '.join(refused)}: use the eager, compile or xla backend"
-            )
-        self.spec = spec
-        self.chains = [self._chain(g.hyper) for g in spec.groups]
-
-    def _chain(self, h: dict) -> optax.GradientTransformation:
-        decay = [optax.add_decayed_weights(h["weight_decay"])] if h.get("weight_decay") else []
-        if self.spec.kind == "SGD":
-            momentum = [optax.trace(h["momentum"], h["nesterov"])] if h.get("momentum") else []
-            parts = [*decay, *momentum]  # torch's SGD: decay coupled to the gradient
-            return optax.chain(*parts) if parts else optax.identity()
-        b1, b2 = h["betas"]
-        adam = optax.scale_by_adam(b1=b1, b2=b2, eps=h["eps"])
-        if self.spec.kind == "AdamW" or h.get("decoupled_weight_decay"):
-            return optax.chain(adam, *decay)  # decoupled: p -= lr * (adam + wd * p)
-        return optax.chain(*decay, adam)  # Adam's L2: the decay joins the gradient
-
-    def _split(self, tree: dict) -> list[dict]:
-        return [{n: tree[n] for n in g.names} for g in self.spec.groups]
-
-    def init(self, params: dict) -> tuple:
-        return tuple(c.init(p) for c, p in zip(self.chains, self._split(params), strict=True))
-
-    def update(self, grads: dict, state: tuple, params: dict, lrs: jax.Array) -> tuple:
-        """(new params, new state); `lrs`: one rate per group."""
-        new_params, new_state = dict(params), []
-        parts = zip(self.chains, self._split(grads), state, self._split(params), strict=True)
-        for i, (chain, g, s, p) in enumerate(parts):
-            updates, s = chain.update(g, s, p)
-            new_state.append(s)
-            for n, u in updates.items():
-                new_params[n] = (p[n] - lrs[i] * u).astype(p[n].dtype)
-        return new_params, tuple(new_state)
-
-    def rates(self, lr: float | list[float]) -> jax.Array:
-        """One base rate (each group scaled by its lr_scale), or one rate per group."""
-        if isinstance(lr, int | float):
-            lr = [lr * g.lr_scale for g in self.spec.groups]
-        return jnp.asarray(lr, jnp.float32)
-
-    def to_torch(self, state: tuple) -> dict[str, dict[str, torch.Tensor]]:
-        """torch's state by parameter name."""
-        out = {}
-        for g, s in zip(self.spec.groups, state, strict=True):
-            adam = _find(s, optax.ScaleByAdamState)
-            trace = _find(s, optax.TraceState)
-            for n in g.names:
-                if adam is not None:
-                    step = torch.tensor(float(host_value(adam.count)))
-                    out[n] = {
-                        "step": step,
-                        "exp_avg": to_torch(adam.mu[n]).float(),
-                        "exp_avg_sq": to_torch(adam.nu[n]).float(),
-                    }
-                elif trace is not None:
-                    out[n] = {"momentum_buffer": to_torch(trace.trace[n]).float()}
-        return out
-
-    def from_torch(self, saved: dict, params: dict, dtype: jnp.dtype) -> tuple:
-        """A fresh state over `params`, with `saved` (torch's, by name) where it has a group's
-        parameters (none: a checkpoint saved before the first step)."""
-        state = []
-        for g, s in zip(self.spec.groups, self.init(params), strict=True):
-            if g.names and g.names[0] in saved:
-                first = saved[g.names[0]]
-                if "exp_avg" in first:
-                    adam = optax.ScaleByAdamState(
-                        count=jnp.asarray(int(first["step"]), jnp.int32),
-                        mu={n: to_jax(saved[n]["exp_avg"], dtype) for n in g.names},
-                        nu={n: to_jax(saved[n]["exp_avg_sq"], dtype) for n in g.names},
-                    )
-                    s = _replace(s, optax.ScaleByAdamState, adam)
-                elif "momentum_buffer" in first:
-                    buffers = {n: to_jax(saved[n]["momentum_buffer"], dtype) for n in g.names}
-                    s = _replace(s, optax.TraceState, optax.TraceState(trace=buffers))
-            state.append(s)
-        return tuple(state)
-
-
-def _find(chain_state: tuple, kind: type) -> Any:
-    return next((s for s in chain_state if isinstance(s, kind)), None)
-
-
-def _replace(chain_state: tuple, kind: type, new: Any) -> tuple:
-    return tuple(new if isinstance(s, kind) else s for s in chain_state)
-
-
-# --- the step ---------------------------------------------------------------------------------
 # (params, consts, batch, key) -> (loss, extras vector)
 LossFnJax = Callable[[dict, dict, tuple, Any], Any]
 TrainStep = Callable[..., tuple]
@@ -209,7 +47,7 @@ def make_train_step(
     the optimizer (one rate per group, `lrs`), the EMA (empty `ema`: none), and a non-finite
     loss or gradient leaves everything as it was, with no host sync. `count` (updates applied)
     keys the random draws; `grad_shardings`: where the gradients go for a sharded update
-    (--shard, --tp); `weight_shardings` (a `model` axis only): where the weights are while the
+    (shard=, tp=); `weight_shardings` (a `model` axis only): where the weights are while the
     gradients are computed."""
     base_key = jax.random.key(seed)
 

@@ -1,0 +1,187 @@
+"""The jax backend's compiled programs: the training step under jax.jit (its weights and
+optimizer state donated, laid out as the state's Layout says), the evaluation and forward
+programs, and the accounting of what JAX compiled and how long it took."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from accel.backends.base import LossFn, MetricFn, StepResult, split_loss
+from accel.backends.jax.attention import AttentionKernels
+from accel.backends.jax.runtime import Runtime
+from accel.backends.jax.state import TrainState
+from accel.backends.jax.step import make_train_step
+from accel.backends.jax.tracing import Tracer
+from accel.backends.jax.values import host_value, to_torch
+from accel.config import BackendConfig
+
+
+class CompileMonitor:
+    """Process-wide sums of JAX's own compile events: tracing (through torchax), lowering,
+    XLA compilation, and persistent-cache hits. jax.monitoring has no public way to unregister,
+    so one instance listens for the whole process and backends read differences."""
+
+    DURATIONS: ClassVar[dict[str, str]] = {
+        "/jax/core/compile/jaxpr_trace_duration": "trace_s",
+        "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
+        "/jax/core/compile/backend_compile_duration": "compile_s",
+    }
+    HITS = "/jax/compilation_cache/cache_hits"
+    _instance: CompileMonitor | None = None
+
+    def __init__(self):
+        self.totals = dict.fromkeys(self.DURATIONS.values(), 0.0)
+        self.cache_hits = 0
+        jax.monitoring.register_event_duration_secs_listener(self._duration)
+        jax.monitoring.register_event_listener(self._event)
+
+    @classmethod
+    def get(cls) -> CompileMonitor:
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def _duration(self, event: str, seconds: float, **_) -> None:
+        if event in self.DURATIONS:
+            self.totals[self.DURATIONS[event]] += seconds
+
+    def _event(self, event: str, **_) -> None:
+        if event == self.HITS:
+            self.cache_hits += 1
+
+    def snapshot(self) -> dict[str, float]:
+        return {**self.totals, "cache_hits": self.cache_hits}
+
+
+class CompiledStep:
+    """The training step (make_train_step) under jax.jit, run on `state`: its weights,
+    optimizer state, EMA and count donated and replaced by each call's. Where cuDNN took every
+    attention while tracing and then refused the step, it is built again on XLA's attention."""
+
+    def __init__(
+        self,
+        cfg: BackendConfig,
+        runtime: Runtime,
+        state: TrainState,
+        tracer: Tracer,
+        attention: AttentionKernels,
+        loss_fn: LossFn,
+    ):
+        self.cfg, self.runtime, self.state, self.tracer = cfg, runtime, state, tracer
+        self.attention, self.loss_fn = attention, loss_fn
+        self.extra_keys: list[str] = []
+        self.compiles_at_warmup: int | None = None
+        self.fn = self._jit()
+
+    def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> tuple[jax.Array, jax.Array]:
+        """The loss, and the loss function's extras as one fp32 vector (their names kept, in
+        order, while tracing)."""
+        out = self.tracer.run_torch(self.loss_fn, params, buffers, batch, key)
+        loss, extras = split_loss(out)
+        self.extra_keys = list(extras)
+        values = [jnp.asarray(v, jnp.float32) for v in extras.values()]
+        vector = jnp.stack(values) if values else jnp.zeros(0, jnp.float32)
+        return loss.astype(jnp.float32), vector
+
+    def _jit(self):
+        layout, replicated = self.state.layout, self.runtime.replicated
+        step = make_train_step(
+            self._loss,
+            self.state.optimizer,
+            self.runtime.mesh,
+            clip_grad=self.cfg.step.clip_grad,
+            seed=self.cfg.step.seed,
+            remat=self.cfg.step.remat,
+            grad_shardings=layout.grads,
+            weight_shardings=layout.weights,
+        )
+        return jax.jit(
+            step,
+            donate_argnums=(0, 1, 2, 3),
+            out_shardings=(layout.params, layout.opt, layout.ema, replicated, replicated),
+        )
+
+    def arguments(self, batch: tuple, lr: float | list[float], ema_decay: float) -> tuple:
+        """What `fn` takes: the state, the batch ([micro-steps, batch, ...] arrays, or their
+        shapes to lower it), the groups' rates and the EMA decay."""
+        rates = self.state.optimizer.rates(lr)
+        return (*self.state.arguments(), batch, rates, jnp.float32(ema_decay))
+
+    def __call__(self, batch: tuple, lr: float | list[float], ema_decay: float) -> jax.Array:
+        """Returns [mean loss, 1.0 if the update was applied else 0.0, *extras] on the devices."""
+        args = self.arguments(batch, lr, ema_decay)
+        with self.tracer.tracing():
+            try:
+                *new, result = self.fn(*args)
+            except (NotImplementedError, ValueError, RuntimeError) as err:
+                if not self.attention.flash_calls or self.fn._cache_size():
+                    raise
+                # cuDNN took every attention call while tracing the forward, then refused the
+                # backward or the compile: build the whole step on XLA's attention instead.
+                self.attention.give_up(err)
+                self.fn = self._jit()
+                *new, result = self.fn(*args)
+        self.state.update(*new)
+        return result
+
+    def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
+        rows = [host_value(handle) for handle in handles]
+        return StepResult.from_rows(rows, self.extra_keys)
+
+    def compiled(self) -> int:
+        return self.fn._cache_size()
+
+    def mark_warmup_done(self) -> None:
+        self.compiles_at_warmup = self.compiled()
+
+    def compiles_after_warmup(self) -> int:
+        if self.compiles_at_warmup is None:
+            return 0
+        # max: a step rebuilt on XLA's attention (cuDNN refused) starts a cache of its own
+        return max(0, self.compiled() - self.compiles_at_warmup)
+
+
+class Evaluation:
+    """The model in eval mode, compiled once per metric function (and once for the forward):
+    no gradients, the weights or the EMA as they are."""
+
+    def __init__(self, runtime: Runtime, state: TrainState, tracer: Tracer):
+        self.runtime, self.state, self.tracer = runtime, state, tracer
+        self.programs: dict[Any, Callable] = {}  # by metric function, or 'forward'
+
+    def sums(self, batches: Iterable[tuple], metric_fn: MetricFn, ema: bool) -> dict[str, float]:
+        params = self.state.eval_params(ema)
+        fn = self.programs.get(metric_fn)
+        if fn is None:
+            tracer = self.tracer
+
+            def sums(model: Callable, batch: tuple) -> dict:
+                # A count made on the host (torch.tensor(len(y))) joins the traced values.
+                found = metric_fn(model, batch)
+                return {k: tracer.env.to_xla(torch.as_tensor(v)) for k, v in found.items()}
+
+            fn = jax.jit(lambda p, c, *b: tracer.run_torch(sums, p, c, b))
+            self.programs[metric_fn] = fn
+        totals: dict | None = None
+        with self.tracer.tracing():
+            for batch in batches:
+                batch_sums = fn(params, self.state.buffers, *self.runtime.arrays(batch))
+                totals = batch_sums if totals is None else jax.tree.map(jnp.add, totals, batch_sums)
+        return {k: float(host_value(v)) for k, v in sorted((totals or {}).items())}
+
+    def forward(self, inputs: tuple) -> Any:
+        """The model in eval mode on `inputs` (host or device tensors), without gradients; its
+        output as host torch tensors."""
+        fn = self.programs.get("forward")
+        if fn is None:
+            tracer = self.tracer
+            fn = jax.jit(lambda p, c, *b: tracer.run_torch(lambda model, x: model(*x), p, c, b))
+            self.programs["forward"] = fn
+        with self.tracer.tracing():
+            out = fn(self.state.params, self.state.buffers, *self.runtime.arrays(inputs))
+        return jax.tree.map(to_torch, out)

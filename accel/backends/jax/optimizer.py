@@ -1,0 +1,114 @@
+"""A torch optimizer translated to optax for the jax backend: one chain per param group, its state
+mapped onto torch's by name."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+import torch
+
+from accel.backends.jax.values import host_value, to_jax, to_torch
+from accel.config import ConfigError
+from accel.optim import OptimizerSpec
+
+
+class OptaxGroups:
+    """torch.optim.AdamW, Adam and SGD as optax transforms, one chain per param group over that
+    group's parameters (by name), so every group keeps its own hyperparameters and its state
+    maps one to one onto torch's (`step`, `exp_avg`, `exp_avg_sq`; `momentum_buffer`). The
+    learning rate is not part of a chain: the step multiplies each group's update by -lr, the
+    rate being an argument of the step (a changing schedule never recompiles it)."""
+
+    def __init__(self, spec: OptimizerSpec):
+        refused = spec.refusals(translatable=True)
+        if refused:
+            raise ConfigError(
+                f"the jax backend has no optax translation of {spec.kind} with "
+                f"{', '.join(refused)}: use the eager, compile or xla backend"
+            )
+        self.spec = spec
+        self.chains = [self._chain(g.hyper) for g in spec.groups]
+
+    def _chain(self, h: dict) -> optax.GradientTransformation:
+        decay = [optax.add_decayed_weights(h["weight_decay"])] if h.get("weight_decay") else []
+        if self.spec.kind == "SGD":
+            momentum = [optax.trace(h["momentum"], h["nesterov"])] if h.get("momentum") else []
+            parts = [*decay, *momentum]  # torch's SGD: decay coupled to the gradient
+            return optax.chain(*parts) if parts else optax.identity()
+        b1, b2 = h["betas"]
+        adam = optax.scale_by_adam(b1=b1, b2=b2, eps=h["eps"])
+        if self.spec.kind == "AdamW" or h.get("decoupled_weight_decay"):
+            return optax.chain(adam, *decay)  # decoupled: p -= lr * (adam + wd * p)
+        return optax.chain(*decay, adam)  # Adam's L2: the decay joins the gradient
+
+    def _split(self, tree: dict) -> list[dict]:
+        return [{n: tree[n] for n in g.names} for g in self.spec.groups]
+
+    def init(self, params: dict) -> tuple:
+        return tuple(c.init(p) for c, p in zip(self.chains, self._split(params), strict=True))
+
+    def update(self, grads: dict, state: tuple, params: dict, lrs: jax.Array) -> tuple:
+        """(new params, new state); `lrs`: one rate per group."""
+        new_params, new_state = dict(params), []
+        parts = zip(self.chains, self._split(grads), state, self._split(params), strict=True)
+        for i, (chain, g, s, p) in enumerate(parts):
+            updates, s = chain.update(g, s, p)
+            new_state.append(s)
+            for n, u in updates.items():
+                new_params[n] = (p[n] - lrs[i] * u).astype(p[n].dtype)
+        return new_params, tuple(new_state)
+
+    def rates(self, lr: float | list[float]) -> jax.Array:
+        """One base rate (each group scaled by its lr_scale), or one rate per group."""
+        if isinstance(lr, int | float):
+            lr = [lr * g.lr_scale for g in self.spec.groups]
+        return jnp.asarray(lr, jnp.float32)
+
+    def to_torch(self, state: tuple) -> dict[str, dict[str, torch.Tensor]]:
+        """torch's state by parameter name."""
+        out = {}
+        for g, s in zip(self.spec.groups, state, strict=True):
+            adam = _find(s, optax.ScaleByAdamState)
+            trace = _find(s, optax.TraceState)
+            for n in g.names:
+                if adam is not None:
+                    step = torch.tensor(float(host_value(adam.count)))
+                    out[n] = {
+                        "step": step,
+                        "exp_avg": to_torch(adam.mu[n]).float(),
+                        "exp_avg_sq": to_torch(adam.nu[n]).float(),
+                    }
+                elif trace is not None:
+                    out[n] = {"momentum_buffer": to_torch(trace.trace[n]).float()}
+        return out
+
+    def from_torch(self, saved: dict, params: dict, dtype: jnp.dtype) -> tuple:
+        """A fresh state over `params`, with `saved` (torch's, by name) where it has a group's
+        parameters (none: a checkpoint saved before the first step)."""
+        state = []
+        for g, s in zip(self.spec.groups, self.init(params), strict=True):
+            if g.names and g.names[0] in saved:
+                first = saved[g.names[0]]
+                if "exp_avg" in first:
+                    adam = optax.ScaleByAdamState(
+                        count=jnp.asarray(int(first["step"]), jnp.int32),
+                        mu={n: to_jax(saved[n]["exp_avg"], dtype) for n in g.names},
+                        nu={n: to_jax(saved[n]["exp_avg_sq"], dtype) for n in g.names},
+                    )
+                    s = _replace(s, optax.ScaleByAdamState, adam)
+                elif "momentum_buffer" in first:
+                    buffers = {n: to_jax(saved[n]["momentum_buffer"], dtype) for n in g.names}
+                    s = _replace(s, optax.TraceState, optax.TraceState(trace=buffers))
+            state.append(s)
+        return tuple(state)
+
+
+def _find(chain_state: tuple, kind: type) -> Any:
+    return next((s for s in chain_state if isinstance(s, kind)), None)
+
+
+def _replace(chain_state: tuple, kind: type, new: Any) -> tuple:
+    return tuple(new if isinstance(s, kind) else s for s in chain_state)
