@@ -8,8 +8,8 @@ import torch
 pytest.importorskip("jax", reason="jax is not installed: pip install 'accel[jax]'")
 
 from accel.backends import jax as jax_backend
-from accel.backends.jax import runtime as jax_runtime
 from accel.backends.base import BackendUnavailable
+from accel.backends.jax import runtime as jax_runtime
 from accel.checkpoint import latest_checkpoint, to_cpu
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
