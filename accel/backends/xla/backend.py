@@ -1,0 +1,158 @@
+"""The xla backend as the composition of its parts: the devices and what runs across them
+(devices.py), the model's layout (layout.py), batches onto the device (batches.py), the optimizer
+(optimizer.py), the step (step.py) and compile accounting (compiles.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.amp import amp_policy
+from accel.backends.base import (
+    BackendStats,
+    Batch,
+    LossFn,
+    MetricFn,
+    ModelInit,
+    StepResult,
+)
+from accel.backends.torch_family.core import TorchCore
+from accel.backends.xla.batches import XlaBatches
+from accel.backends.xla.compiles import XlaCompiles
+from accel.backends.xla.devices import XlaDevices
+from accel.backends.xla.layout import XlaLayout
+from accel.backends.xla.optimizer import XlaOptimizer
+from accel.backends.xla.step import XlaStep
+from accel.config import BackendConfig
+from accel.distributed import DistContext
+from accel.optim import OptimizerSpec
+from accel.parallel.materialize import whole
+
+
+def classifier_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters of the model's final classifier, where the model names them: a model with
+    a `classifier_parameters()` method (returning its classifier's parameters) has their share
+    of the training state reported apart (state_bytes' 'classifier'); any other model, none.
+    The models accel.models.create_model makes have the method; a user's may define it alike."""
+    named = getattr(model, "classifier_parameters", None)
+    return list(named()) if callable(named) else []
+
+
+class XlaBackend:
+    """torch_xla's backend: the torch model traced into lazy tensors and compiled by XLA."""
+
+    name = "xla"
+    pin_memory = False  # MpDeviceLoader stages host batches itself
+    trains_in_place = True  # the model's own parameters, moved to the XLA device
+    compiles_per_shape = True
+    explain_compiles = "PT_XLA_DEBUG_LEVEL=2 prints the cause of each compile"
+    threaded = False
+    sharded_checkpoint = False  # one process holds every array: one file
+
+    def __init__(self, cfg: BackendConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.compiles = XlaCompiles(Path(cfg.compiler.cache_dir), not ctx.is_main)
+        self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
+        self.devices = XlaDevices(cfg, ctx)
+        self.device = self.devices.device
+        self.data_parallel = (ctx.rank, ctx.world_size)
+        self.local_replicas = self.devices.replicas  # the devices the global batch splits over
+        self.optim = XlaOptimizer(cfg.step.kernel_opt, self.amp)
+        guard, extra = self.optim.guard, self.optim.extra_state
+        self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
+        self.layout = XlaLayout(cfg, self.devices, self.core)
+        self.batches = XlaBatches(cfg, self.devices)
+        parts = (self.devices, self.layout, self.batches, self.compiles)
+        self.step = XlaStep(cfg, self.amp, parts, self.core)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model trained, on the device."""
+        return self.layout.module
+
+    def adopt(
+        self,
+        model: nn.Module,
+        optimizer: OptimizerSpec,
+        loss_fn: LossFn,
+        init: ModelInit | None = None,
+    ) -> None:
+        model = whole(model, init)
+        head = classifier_parameters(model)
+        self.layout.place(model, self.amp.param_dtype)
+        self.devices.seed(self.cfg.step.seed)
+
+        def build(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
+            return self.optim.build(optimizer, dict(named))
+
+        self.core.attach([self.layout.module], build, head, self.cfg.step.ema)
+        self.layout.place_state()
+        self.step.adopt(loss_fn)
+
+    # --- batches and the step -------------------------------------------------------------------
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
+        return self.batches.device_batches(batches)
+
+    def autocast(self) -> Any:
+        return self.step.autocast()
+
+    def split(self, batch: tuple, parts: int) -> list[tuple]:
+        return self.step.split(batch, parts)
+
+    def train_step(
+        self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
+    ) -> torch.Tensor:
+        return self.step.train_step(micro_batches, lr, ema_decay)
+
+    def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
+        return self.step.fetch_results(handles)
+
+    def evaluate_sums(
+        self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        return self.step.evaluate_sums(batches, metric_fn, ema)
+
+    def forward(self, inputs: tuple) -> Any:
+        return self.step.forward(inputs)
+
+    # --- state ----------------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.layout.checkpoint_state()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.layout.load_checkpoint_state(state)
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return self.devices.rng_state()
+
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.devices.load_rng_state(state)
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.devices.any_rank(flag)
+
+    def synchronize(self) -> None:
+        self.devices.synchronize()
+
+    # --- compile accounting ---------------------------------------------------------------------
+    def mark_warmup_done(self) -> None:
+        self.compiles.mark_warmup_done()
+
+    def compiles_after_warmup(self) -> int:
+        return self.compiles.after_warmup()
+
+    def stats(self) -> BackendStats:
+        return BackendStats(
+            **self.compiles.stats(),
+            devices=self.devices.count,
+            shard=self.devices.shard,
+            state_bytes=self.core.measured,
+            details={
+                "input_shapes": sorted(str(s[0]) for s in self.batches.input_shapes),
+                "tp": self.devices.tp,
+            },
+        )

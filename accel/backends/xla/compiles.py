@@ -1,0 +1,59 @@
+"""Compile accounting on the xla backend, read from torch_xla's metrics (per process, not per run):
+the graphs compiled since the backend started and since warm-up (evaluation's own graphs not
+counted), their compile time, the persistent cache, and the aten ops that ran outside the graph."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from accel.backends.xla.runtime import init_compile_cache, met
+
+
+def compile_count() -> int:
+    return met.counter_value("UncachedCompile") or 0
+
+
+def fallback_ops() -> dict[str, int]:
+    """aten ops that ran on the CPU outside the XLA graph, with their call counts."""
+    return {name: met.counter_value(name) or 0 for name in met.executed_fallback_ops()}
+
+
+class XlaCompiles:
+    """The step's compiles: counted from the backend's start, and from the end of warm-up."""
+
+    def __init__(self, cache_dir: Path, readonly: bool):
+        # The persistent cache is set before the first computation.
+        self.persistent_cache = init_compile_cache(cache_dir, readonly)
+        self.at_start = compile_count()  # the counters are per process, not per run
+        self.at_warmup: int | None = None
+
+    def mark_warmup_done(self) -> None:
+        self.at_warmup = compile_count()
+
+    def after_warmup(self) -> int:
+        return 0 if self.at_warmup is None else compile_count() - self.at_warmup
+
+    @contextlib.contextmanager
+    def not_counted(self) -> Iterator[None]:
+        """Graphs compiled inside (evaluation's own) are not recompiles of the step."""
+        before = compile_count()
+        try:
+            yield
+        finally:
+            if self.at_warmup is not None:
+                self.at_warmup += compile_count() - before
+
+    def stats(self) -> dict[str, Any]:
+        """BackendStats' compile fields."""
+        compile_time = met.metric_data("CompileTime")
+        return {
+            "graphs_compiled": compile_count() - self.at_start,
+            "compiles_after_warmup": self.after_warmup(),
+            "compile_time_s": compile_time[1] / 1e9 if compile_time else 0.0,
+            "persistent_cache": self.persistent_cache,
+            "persistent_cache_hits": met.counter_value("PersistentCacheHit") or 0,
+            "fallback_ops": fallback_ops(),
+        }

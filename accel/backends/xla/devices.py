@@ -1,0 +1,119 @@
+"""What runs where on the xla backend: the device this process drives, the SPMD mesh over several
+devices, the collectives across processes, the device's random generator, and the syncs that cut
+and wait for graphs."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from typing import cast
+
+import numpy as np
+import torch
+
+from accel.amp import AmpPolicy
+from accel.backends.xla.runtime import check_autograd, check_tp, torch_xla, xm, xr, xs
+from accel.config import BackendConfig
+from accel.distributed import DistContext
+from accel.parallel import effective_shard
+from accel.parallel.mesh import ParallelDims
+
+
+class ParamGroups:
+    """The optimizer view xm.reduce_gradients reads: the model's own parameters, whose gradients
+    exist before they are copied to fp32 masters (O2)."""
+
+    def __init__(self, params: Sequence[torch.Tensor]):
+        self.param_groups = [{"params": params}]
+
+
+class XlaDevices:
+    """The device, and with devices=N (N > 1) the SPMD mesh one process drives: its `data` axis
+    (`fsdp` with shard='full') that batches split along, and with tp=M its `model` axis of M
+    devices. Processes started by torchrun (TPU hosts) each drive one device, and reduce across
+    each other with explicit collectives."""
+
+    def __init__(self, cfg: BackendConfig, ctx: DistContext):
+        self.ctx = ctx
+        self.device = torch_xla.device()
+        check_autograd(self.device)
+        # A device mesh driven by this process: one host batch a step, split along its axis.
+        self.spmd = xr.is_spmd() and not ctx.distributed
+        check_tp(cfg.mesh, ctx.distributed)
+        self.count = cfg.mesh.devices if self.spmd else 1
+        # Devices the global batch is split over: the mesh's `data` axis.
+        self.replicas = self.count
+        self.shard = effective_shard(cfg.mesh.shard, self.replicas)
+        self.axis = "fsdp" if self.shard == "full" else "data"
+        self.tp = cfg.mesh.tp if self.spmd else 1
+        if self.spmd:
+            n = self.count
+            if self.tp > 1:
+                dims = ParallelDims.of(cfg.mesh, n)
+                self.replicas = dims.dp
+                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, "model"))
+            else:
+                self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
+
+    def split_first(self, tensor: torch.Tensor) -> tuple[str | None, ...]:
+        """A tensor's partition spec: its first axis over the mesh's data axis."""
+        return (self.axis,) + (None,) * (tensor.dim() - 1)
+
+    def autocast(self, amp: AmpPolicy) -> contextlib.AbstractContextManager:
+        if not amp.autocast:
+            return contextlib.nullcontext()
+        if xr.device_type() == "TPU":
+            from torch_xla.amp import autocast
+
+            return autocast(self.device, dtype=amp.dtype)
+        # torch_xla.amp.autocast does nothing off TPU in 2.9; torch.autocast('xla') works.
+        return torch.autocast("xla", dtype=amp.dtype)
+
+    # --- collectives ----------------------------------------------------------------------------
+    def reduce_gradients(self, params: Sequence[torch.Tensor], how: str) -> None:
+        """Processes: the explicit all-reduce. A mesh (one process, global tensors): nothing
+        here, the SPMD partitioner reduces the gradients inside the step graph."""
+        if not self.ctx.distributed:
+            return
+        if how == "optimizer_step":  # what xm.optimizer_step does
+            # ParamGroups stands in for the optimizer: reduce_gradients reads only param_groups.
+            xm.reduce_gradients(ParamGroups(params))  # type: ignore[arg-type]
+            return
+        grads = [p.grad for p in params if p.grad is not None]
+        xm.all_reduce(xm.REDUCE_SUM, grads, scale=1.0 / self.ctx.world_size)
+
+    def all_reduce(self, value: torch.Tensor, mean: bool = False) -> torch.Tensor:
+        if not self.ctx.distributed:
+            return value
+        scale = 1.0 / self.ctx.world_size if mean else 1.0
+        # A tensor in, a tensor out (a list only for a list in).
+        return cast(torch.Tensor, xm.all_reduce(xm.REDUCE_SUM, value, scale=scale))
+
+    def any_rank(self, flag: bool) -> bool:
+        if not self.ctx.distributed:
+            return flag
+        local = torch.tensor([float(flag)], device=self.device)
+        value = cast(torch.Tensor, xm.all_reduce(xm.REDUCE_MAX, local))
+        return bool(value.cpu().item())
+
+    # --- the random generator -------------------------------------------------------------------
+    def seed(self, seed: int) -> None:
+        """Device random draws (dropout, stochastic depth) differ between replicas."""
+        xm.set_rng_state(seed + self.ctx.rank, str(self.device))
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        seed = xm.get_rng_state(str(self.device))  # an unsigned 64-bit seed: kept as two halves
+        return {"xla": torch.tensor([seed >> 32, seed & 0xFFFFFFFF], dtype=torch.int64)}
+
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        if "xla" in state:
+            high, low = state["xla"].tolist()
+            xm.set_rng_state((high << 32) | low, str(self.device))
+
+    # --- syncs ----------------------------------------------------------------------------------
+    def sync(self) -> None:
+        """Cut the lazy graph here and run it."""
+        torch_xla.sync()
+
+    def synchronize(self) -> None:
+        xm.wait_device_ops()

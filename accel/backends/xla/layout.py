@@ -1,0 +1,116 @@
+"""How the model and its training state are laid out on the xla backend's devices: the model moved
+to the device (replica 0's weights on every process), the weights of the tp plan split along the
+mesh's `model` axis with everything kept of their shape, FSDPv2 (shard='full') splitting every
+weight on its first axis, and the named state a checkpoint holds, split again once loaded."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from accel.backends.torch_family.core import TorchCore, init_optimizer_state
+from accel.backends.xla.devices import XlaDevices
+from accel.backends.xla.runtime import xm, xs
+from accel.config import BackendConfig
+from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+
+
+class XlaLayout:
+    """Where each tensor of the model and of its training state lives, and how it is split."""
+
+    def __init__(self, cfg: BackendConfig, devices: XlaDevices, core: TorchCore):
+        self.tp_plan, self.devices, self.core = cfg.mesh.tp_plan, devices, core
+        self.splits: dict[str, int] = {}  # split parameter name -> its axis along `model`
+
+    def place(self, model: nn.Module, dtype: torch.dtype) -> None:
+        """`model` on the device in `dtype`, its weights split as the mesh says: `module` the
+        model trained, `forward_module` what the step calls (FSDPv2's wrapper where there is
+        one)."""
+        devices = self.devices
+        self.module = self.forward_module = model.to(devices.device, dtype=dtype)
+        if devices.ctx.distributed:  # every replica starts from replica 0's weights
+            xm.broadcast_master_param(self.module)
+        if devices.tp > 1:  # names as the module trained has them (it is never wrapped with tp)
+            plan = resolve_plan(self.module, self.tp_plan, devices.tp)
+            self.splits = weight_splits(self.module, plan)
+            # Split before the fp32 masters, the optimizer's moments and the EMA are made from
+            # the weights, so that none of them is ever held whole.
+            self.mark_tp()
+        if devices.shard == "full":  # FSDPv2: the weights split on their first axis over `fsdp`
+            from torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+                SpmdFullyShardedDataParallel,
+            )
+
+            self.forward_module = SpmdFullyShardedDataParallel(self.module, mesh=devices.mesh)
+
+    def place_state(self) -> None:
+        """Once the optimizer is built: with tp, its moments made now (zeros, as the first step
+        would make them), to be split as their weight is: made by the step, they would be whole
+        until it ends."""
+        if self.devices.tp > 1:
+            init_optimizer_state(self.core.optimizer, self.core.extra_state)
+            self.mark_tp()
+
+    @contextlib.contextmanager
+    def weights(self, ema: bool) -> Iterator[None]:
+        """The live weights, or with `ema` the EMA's in their place (sharded alike)."""
+        if not ema:
+            yield
+            return
+        with self.core.ema_weights():
+            self.reshard()
+            yield
+        self.reshard()
+
+    # --- named state --------------------------------------------------------------------------
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.core.named_state()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.core.load_named_state(state)
+        self.reshard()
+        self.devices.sync()
+
+    # --- shardings ----------------------------------------------------------------------------
+    def reshard(self) -> None:
+        """A copy into a tensor drops its sharding: FSDPv2's again, or tp's."""
+        self.mark_tp()
+        devices = self.devices
+        if devices.shard != "full":
+            return
+        for param in self.module.parameters():
+            if param.dim():
+                xs.mark_sharding(param, devices.mesh, devices.split_first(param))
+
+    def mark_tp(self) -> None:
+        """Each weight of the tp plan split along the mesh's `model` axis on its axis, and the
+        tensors laid out as it (its fp32 master, its optimizer moments, its EMA) alike; the rest
+        stays replicated. Marking a tensor split the same way again changes nothing."""
+        if not self.splits:
+            return
+        params = dict(self.module.named_parameters())
+        for name, axis in self.splits.items():
+            param = params[name]
+            spec = tuple("model" if i == axis else None for i in range(param.dim()))
+            for tensor in self.laid_out_as(param):
+                xs.mark_sharding(tensor, self.devices.mesh, spec)
+
+    def laid_out_as(self, param: nn.Parameter) -> list[torch.Tensor]:
+        """`param` and what the optimizer keeps of its shape for it (once attached): its fp32
+        master, its moments (not the step count, not syncfree's empty buffer), its EMA."""
+        core = self.core
+        if not hasattr(core, "optimizer"):
+            return [param]
+        updated = core.updated(param)
+        state = core.optimizer.state.get(updated, {})
+        ema = {id(p): e for p, e in zip(core.params, core.ema, strict=False)}
+        found = [param, updated, *state.values(), ema.get(id(param))]
+        out: dict[int, torch.Tensor] = {}
+        for tensor in found:
+            if torch.is_tensor(tensor) and tensor.shape == param.shape:
+                out.setdefault(id(tensor), tensor)
+        return list(out.values())
