@@ -15,12 +15,23 @@ def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return SoftTargetCrossEntropy()(logits.float(), targets)
 
 
-def classifier_loss(model: Callable, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """The command line's loss function, in the public API's form (model, batch) -> loss: the
-    soft-target cross-entropy of the model's logits; the batch's random-erasing rectangles,
-    where it has them, go to the model."""
-    images, targets, *extra = batch
-    return soft_target_loss(model(images, *extra), targets)
+class SoftTargetLoss:
+    """A loss function (model, batch) -> loss that declares what it computes: the mean
+    soft-target cross-entropy (`soft_target_loss`) of `model(inputs, *extras)`'s logits against
+    `targets`, over batches (inputs, targets, *extras), the targets (batch, classes)
+    probabilities. A layout that cannot run the model whole computes this loss its own way:
+    from the logit shards of a split classifier (`tp_head=2`), on a pipeline's last stage
+    (`pp=2`); those train a loss of this class only."""
+
+    def __call__(self, model: Callable, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        inputs, targets, *extras = batch
+        return soft_target_loss(model(inputs, *extras), targets)
+
+
+# The command line's loss function, in the public API's form (model, batch) -> loss: the
+# soft-target cross-entropy of the model's logits; the batch's random-erasing rectangles, where
+# it has them, go to the model.
+classifier_loss = SoftTargetLoss()
 
 
 def masked_sums(
@@ -51,11 +62,21 @@ def named_sums(sums: torch.Tensor) -> dict[str, torch.Tensor]:
     return dict(zip(EVAL_SUMS, sums.unbind(), strict=True))
 
 
-def classifier_metrics(model: Callable, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
-    """The command line's evaluation in the public API's metric form (model, batch) -> sums:
-    masked loss, top-1 and top-5 over (images, labels, mask), the padding masked out."""
-    images, labels, mask = batch
-    return named_sums(eval_sums(model(images), labels, mask))
+class ClassificationSums:
+    """A metric function (model, batch) -> sums that declares what it computes: `named_sums` of
+    `eval_sums` (the masked loss, top-1 and top-5 sums and the count) of `model(inputs)`'s
+    logits, over batches (inputs, labels, mask), the padding masked out. A layout that cannot
+    run the model whole computes these sums its own way (a split classifier's from its logit
+    shards, a pipeline's on its last stage); those evaluate a metric of this class only."""
+
+    def __call__(self, model: Callable, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+        inputs, labels, mask = batch
+        return named_sums(eval_sums(model(inputs), labels, mask))
+
+
+# The command line's evaluation in the public API's metric form (model, batch) -> sums: masked
+# loss, top-1 and top-5 over (images, labels, mask), the padding masked out.
+classifier_metrics = ClassificationSums()
 
 
 def summarise(sums: dict[str, float]) -> dict[str, float]:

@@ -56,39 +56,74 @@ class ModelConfig:
     )
 
 
+class Normalise(nn.Module):
+    """uint8 [0, 255] NCHW images -> the float inputs a timm model takes (its mean and std)."""
+
+    mean: torch.Tensor  # buffers, registered in __init__ (not saved: they follow from the model)
+    inv_scale: torch.Tensor
+
+    def __init__(self, mean: tuple[float, ...], std: tuple[float, ...]):
+        super().__init__()
+        scale = torch.tensor(std).view(1, -1, 1, 1) * 255.0
+        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
+        self.register_buffer("inv_scale", 1.0 / scale, persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return (images.to(self.mean.dtype) - self.mean) * self.inv_scale
+
+
 class ImageClassifier(nn.Module):
-    """Wraps a timm model: uint8 [0, 255] NCHW in, logits out."""
+    """Wraps a timm model: uint8 [0, 255] NCHW in, logits out.
+
+    It gives the library's hooks for the layouts that split a model: `get_classifier()` (the
+    split classifier, `tp_head=`), `pipeline_parts()` (the pipeline's cut, `pp=`),
+    `fsdp_units()` (the units `shard=` wraps one by one) and `classifier_parameters()` (the
+    classifier's share of the state, reported apart)."""
 
     # The timm model: its own attributes (pretrained_cfg, blocks, get_classifier, ...) are not
     # nn.Module's, whose typing would give each as a tensor or a submodule.
     model: Any
-    mean: torch.Tensor  # buffers, registered in __init__
-    inv_scale: torch.Tensor
 
     def __init__(self, model: nn.Module, mean: tuple[float, ...], std: tuple[float, ...]):
         super().__init__()
         self.model = model
-        scale = torch.tensor(std).view(1, -1, 1, 1) * 255.0
-        self.register_buffer("mean", torch.tensor(mean).view(1, -1, 1, 1) * 255.0, persistent=False)
-        self.register_buffer("inv_scale", 1.0 / scale, persistent=False)
+        self.input_norm = Normalise(mean, std)
 
     @property
     def input_size(self) -> tuple[int, int, int]:
         """(channels, height, width) the model takes."""
         return tuple(self.model.pretrained_cfg["input_size"])
 
-    def classifier_parameters(self) -> list[nn.Parameter]:
-        """The final classifier's parameters (timm's get_classifier(); none if it has none)."""
+    def get_classifier(self) -> nn.Module | None:
+        """The final classifier (timm's get_classifier(): ViT's head, Swin's head.fc)."""
         get = getattr(self.model, "get_classifier", None)
-        head = get() if get else None
+        return get() if get else None
+
+    def classifier_parameters(self) -> list[nn.Parameter]:
+        """The final classifier's parameters (none if it has none)."""
+        head = self.get_classifier()
         return list(head.parameters()) if isinstance(head, nn.Module) else []
+
+    def pipeline_parts(self) -> tuple[nn.Module, nn.Module]:
+        """What a pipeline cuts (accel.parallel.pipeline.Pipelined): the normalisation, then the
+        timm model."""
+        return self.input_norm, self.model
+
+    def fsdp_units(self) -> list[nn.Module]:
+        """The units sharding wraps one by one: the children of the timm model's first block
+        container (ViT's blocks, Swin's layers, ConvNeXt's stages)."""
+        for name in ("blocks", "layers", "stages"):
+            container = getattr(self.model, name, None)
+            if isinstance(container, nn.Module) and len(list(container.children())):
+                return list(container.children())
+        return []
 
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute each block's activations in the backward (timm's own switch)."""
         self.model.set_grad_checkpointing(enable)
 
     def normalise(self, images: torch.Tensor) -> torch.Tensor:
-        return (images.to(self.mean.dtype) - self.mean) * self.inv_scale
+        return self.input_norm(images)
 
     def forward(self, images: torch.Tensor, erase: torch.Tensor | None = None) -> torch.Tensor:
         """`erase`: random-erasing rectangles, filled after normalisation (models/erasing.py)."""

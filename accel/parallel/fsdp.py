@@ -13,7 +13,6 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from accel.amp import AmpPolicy
-from accel.models.factory import ImageClassifier
 
 # Where timm keeps a model's repeated units: ViT/DeiT/BEiT `blocks`, Swin `layers` (its stages),
 # ConvNeXt/MaxViT `stages`.
@@ -21,7 +20,11 @@ BLOCK_CONTAINERS = ("blocks", "layers", "stages")
 
 
 def transformer_blocks(model: nn.Module) -> list[nn.Module]:
-    """The units FSDP wraps one by one: the children of the model's first block container."""
+    """The units FSDP wraps one by one: those the model gives as `fsdp_units()` (a model that
+    wraps another gives that one's blocks), else the children of its first block container."""
+    units = getattr(model, "fsdp_units", None)
+    if callable(units):
+        return list(units())
     for name in BLOCK_CONTAINERS:
         container = getattr(model, name, None)
         if isinstance(container, nn.Module) and len(list(container.children())):
@@ -38,14 +41,14 @@ def mixed_precision(amp: AmpPolicy) -> MixedPrecisionPolicy:
 
 
 def apply_fsdp(module: nn.Module, mode: str, amp: AmpPolicy, mesh: DeviceMesh) -> None:
-    """fully_shard each transformer block of the model (inside accel's ImageClassifier where it
-    is one), then the root (the embeddings, norm and head), over the data axis `mesh` (the
-    layout's; blocks split by tensors first are sharded in two dimensions). `grad_op` keeps each
-    unit's gathered weights from the forward to the backward (ZeRO-2's memory for one all-gather
-    less a step); `full` frees them after the forward."""
+    """fully_shard each transformer block of the model (`transformer_blocks`), then the root
+    (the embeddings, norm and head), over the data axis `mesh` (the layout's; blocks split by
+    tensors first are sharded in two dimensions). `grad_op` keeps each unit's gathered weights
+    from the forward to the backward (ZeRO-2's memory for one all-gather less a step); `full`
+    frees them after the forward."""
     # An explicit mesh: FSDP's default asks torch for "the" accelerator, which fails in a
     # process where torch_xla has registered itself without one.
-    blocks = transformer_blocks(module.model if isinstance(module, ImageClassifier) else module)
+    blocks = transformer_blocks(module)
     kwargs: dict[str, Any] = {
         "mesh": mesh,
         "mp_policy": mixed_precision(amp),

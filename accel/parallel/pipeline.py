@@ -1,9 +1,11 @@
-"""A ViT cut into pipeline stages (--pp N) on torch.distributed.pipelining.
+"""A ViT cut into pipeline stages (`pp=2`) on torch.distributed.pipelining.
 
-The blocks are split into contiguous stages: the patch embedding goes with the first, the final
-norm and the head with the last. The ranks of a `pp` group each run their stage (two with the
-interleaved schedule) and the schedule streams micro-batches through them. Each stage keeps the
-full model's parameter names, so checkpoints name its tensors as the unsplit model does.
+The model gives its parts (`Pipelined`): the ViT it runs and the module before it. The ViT's
+blocks are split into contiguous stages: that module and the patch embedding go with the first,
+the final norm and the head with the last. The ranks of a `pp` group each run their stage (two
+with the interleaved schedule) and the schedule streams micro-batches through them. Each stage
+keeps the full model's parameter names, so checkpoints name its tensors as the unsplit model
+does.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import itertools
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -24,7 +27,6 @@ from torch.distributed.pipelining import (
     ScheduleInterleaved1F1B,
 )
 
-from accel.models.factory import ImageClassifier
 from accel.parallel.mesh import MeshAxis
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved": ScheduleInterleaved1F1B}
@@ -56,30 +58,74 @@ def is_vit(model: nn.Module) -> bool:
     )
 
 
+@runtime_checkable
+class Pipelined(Protocol):
+    """What a model gives to be cut into pipeline stages (`pp=2`): its forward must be
+    `vit(stem(x))` for the two modules `pipeline_parts()` returns, both direct submodules of
+    the model (so that each stage keeps the model's names):
+
+    - `stem`: what the model does to its inputs before the ViT, without parameters (the inputs'
+      normalisation, say; None for nothing), run by the first stage;
+    - `vit`: a ViT with timm's VisionTransformer's parts (`patch_embed`, `_pos_embed`,
+      `patch_drop`, `norm_pre`, `blocks`, `norm`, `forward_head`; `is_vit` tells), cut between
+      its blocks.
+    """
+
+    def pipeline_parts(self) -> tuple[nn.Module | None, nn.Module]: ...
+
+
+def pipeline_parts(model: nn.Module) -> tuple[nn.Module | None, nn.Module]:
+    """The model's (stem, vit), checked; ValueError naming what the model must give."""
+    if not isinstance(model, Pipelined):
+        raise ValueError(
+            f"pp= cuts a model that gives pipeline_parts() (the module before its ViT and the "
+            f"ViT: accel.parallel.pipeline.Pipelined); {type(model).__name__} gives none: split "
+            "it by tp= (with tp_plan) or shard="
+        )
+    stem, vit = model.pipeline_parts()
+    if not is_vit(vit):
+        raise ValueError(
+            f"pp= cuts ViT-style models by blocks; {type(vit).__name__} is not one (it needs "
+            "blocks and patch_embed, and no Swin-style layers)"
+        )
+    return stem, vit
+
+
+def child_name(model: nn.Module, part: nn.Module) -> str:
+    """The attribute under which `part` is a direct submodule of `model`."""
+    name = next((n for n, m in model.named_children() if m is part), None)
+    if name is None:
+        raise ValueError(
+            f"pipeline_parts() of {type(model).__name__} must give direct submodules of the model"
+        )
+    return name
+
+
 class ViTStage(nn.Module):
-    """One stage's parts of an ImageClassifier (made on the meta device), under the whole
+    """One stage's parts of a `Pipelined` model (made on the meta device), under the whole
     model's names."""
 
-    mean: torch.Tensor  # buffers of the first stage, registered in __init__
-    inv_scale: torch.Tensor
-
-    def __init__(self, full: ImageClassifier, blocks: range, first: bool, last: bool):
+    def __init__(self, full: nn.Module, blocks: range, first: bool, last: bool):
         super().__init__()
-        vit = copy.deepcopy(full.model)  # on the meta device: nothing allocated
+        stem, whole_vit = pipeline_parts(full)
+        vit: Any = copy.deepcopy(whole_vit)  # on the meta device: nothing allocated
         vit.blocks = nn.Sequential(OrderedDict((str(i), vit.blocks[i]) for i in blocks))
         self.first, self.last = first, last
         for name in (() if first else EMBEDDINGS) + (() if last else HEAD):
             if getattr(vit, name, None) is not None:
                 setattr(vit, name, None)
-        self.model = vit
-        if first:  # the uint8 normalisation belongs to the first stage
-            self.register_buffer("mean", full.mean.clone(), persistent=False)
-            self.register_buffer("inv_scale", full.inv_scale.clone(), persistent=False)
+        self.vit_name = child_name(full, whole_vit)
+        self.add_module(self.vit_name, vit)
+        self.stem_name = None  # what runs before the ViT belongs to the first stage
+        if first and stem is not None:
+            self.stem_name = child_name(full, stem)
+            self.add_module(self.stem_name, copy.deepcopy(stem))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        vit = self.model
+        vit: Any = getattr(self, self.vit_name)
         if self.first:
-            x = (x.to(self.mean.dtype) - self.mean) * self.inv_scale
+            if self.stem_name is not None:
+                x = getattr(self, self.stem_name)(x)
             x = vit.norm_pre(vit.patch_drop(vit._pos_embed(vit.patch_embed(x))))
         x = vit.blocks(x)
         if self.last:
@@ -97,14 +143,14 @@ class StagePlan:
     activation: tuple[int, int]  # (tokens, width) passed between stages
 
 
-def cut_vit(model: ImageClassifier, mesh: MeshAxis, schedule: str) -> StagePlan:
-    """This rank's stages: the pipeline's stage k runs on pp rank k % size (round robin, as
-    the interleaved schedule expects)."""
+def cut_vit(model: nn.Module, mesh: MeshAxis, schedule: str) -> StagePlan:
+    """This rank's stages of a `Pipelined` model: the pipeline's stage k runs on pp rank
+    k % size (round robin, as the interleaved schedule expects)."""
+    vit: Any = pipeline_parts(model)[1]
     count = mesh.size * stages_per_rank(schedule)
-    ranges = stage_blocks(len(model.model.blocks), count)
+    ranges = stage_blocks(len(vit.blocks), count)
     ids = [mesh.rank + k * mesh.size for k in range(stages_per_rank(schedule))]
     stages = [ViTStage(model, ranges[s], first=s == 0, last=s == count - 1) for s in ids]
-    vit = model.model
     activation = (vit.patch_embed.num_patches + vit.num_prefix_tokens, vit.embed_dim)
     return StagePlan(stages, ids, count, activation)
 

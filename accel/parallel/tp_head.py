@@ -1,4 +1,4 @@
-"""Tensor-parallel classifier (--tp_head N): the head's classes split over the N ranks of a `tp`
+"""Tensor-parallel classifier (`tp_head=2`): the head's classes split over the ranks of a `tp`
 group, the body replicated across them, so a classifier over a million classes never holds its
 full weight, gradient, optimizer state or logits on one rank.
 
@@ -11,7 +11,7 @@ targets only (mixup and label smoothing need soft ones).
 
 from __future__ import annotations
 
-from typing import Any, cast
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -85,14 +85,35 @@ class ShardedClassifier(nn.Module):
         return nn.functional.pad(local, (0, self.per - self.valid))
 
 
-def apply_tp_head(model: nn.Module, layout: MeshAxis) -> ShardedClassifier:
-    """Replace the timm model's classifier (get_classifier(): ViT's head, Swin's head.fc) by
-    this rank's shard of it (on the meta device, before the rank's part is allocated)."""
-    full = cast(Any, model).get_classifier()  # timm's method, which nn.Module does not declare
+@runtime_checkable
+class HasClassifier(Protocol):
+    """A model whose classifier can be split (`tp_head=2`): `get_classifier()` returns its final
+    nn.Linear (timm's models have the method: ViT's head, Swin's head.fc), a submodule of the
+    model whose logits are the model's output."""
+
+    def get_classifier(self) -> Any: ...
+
+
+def linear_classifier(model: nn.Module) -> nn.Linear:
+    """The classifier the model gives (`HasClassifier`), checked; ValueError naming what the
+    model must give."""
+    if not isinstance(model, HasClassifier):
+        raise ValueError(
+            f"tp_head= splits the linear classifier a model gives as get_classifier() (timm's "
+            f"models do); {type(model).__name__} gives none"
+        )
+    full = model.get_classifier()
     if not isinstance(full, nn.Linear):
         raise ValueError(
-            f"--tp_head splits a linear classifier; this model has {type(full).__name__}"
+            f"tp_head= splits a linear classifier; this model has {type(full).__name__}"
         )
+    return full
+
+
+def apply_tp_head(model: nn.Module, layout: MeshAxis) -> ShardedClassifier:
+    """Replace the model's classifier (`HasClassifier.get_classifier()`) by this rank's shard of
+    it (on the meta device, before the rank's part is allocated)."""
+    full = linear_classifier(model)
     parent_name, _, attr = next(n for n, m in model.named_modules() if m is full).rpartition(".")
     sharded = ShardedClassifier(full, layout)
     setattr(model.get_submodule(parent_name), attr, sharded)

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from accel.backends.eager import cuda_refusal
+from accel.backends.torch_family.eager import cuda_refusal
 from tests.helpers import run_python
 
 pytestmark = pytest.mark.jax

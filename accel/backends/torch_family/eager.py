@@ -1,5 +1,5 @@
-"""PyTorch eager backend: the shared torch step (torch_core.py) over a layout of the model on the
-ranks (torch_layouts.py: replicas with DDP over NCCL or gloo, or any combination of FSDP2 shards,
+"""PyTorch eager backend: the shared torch step (core.py) over a layout of the model on the ranks
+(whole.py: replicas with DDP over NCCL or gloo; split.py: any combination of FSDP2 shards,
 tensor-parallel blocks and classifier, and pipeline stages). compile.py is this backend with the
 forward and loss compiled."""
 
@@ -25,8 +25,10 @@ from accel.backends.base import (
     Supports,
     split_batch,
 )
-from accel.backends.torch_core import TorchCore, fused_guard, metric_sums
-from accel.backends.torch_layouts import TorchLayout
+from accel.backends.torch_family.core import TorchCore, fused_guard, metric_sums
+from accel.backends.torch_family.layout import Layout
+from accel.backends.torch_family.split import SplitLayout
+from accel.backends.torch_family.whole import WholeLayout
 from accel.config import SHARD_MODES, BackendConfig
 from accel.distributed import DistContext, env_context
 from accel.optim import OptimizerSpec
@@ -40,9 +42,9 @@ SUPPORTS = Supports(
     tp_head=True,
     pp=True,
     exclusive=(
-        ("--pp", "--shard", "a stage's gradients are reduced once after the schedule"),
-        ("--pp", "--tp_head", "the last stage computes the whole classifier's loss"),
-        ("--tp_head", "--shard", "the split classifier's rows are not sharded further"),
+        ("pp", "shard", "a stage's gradients are reduced once after the schedule"),
+        ("pp", "tp_head", "the last stage computes the whole classifier's loss"),
+        ("tp_head", "shard", "the split classifier's rows are not sharded further"),
     ),
     remat=True,
     data_device_gpu=True,
@@ -76,7 +78,7 @@ def cuda_refusal(cuda: bool, accelerator: str | None) -> str | None:
         f"torch's accelerator in this process is '{accelerator}', not CUDA: a jax engine "
         "(torchax) registered it, and no CUDA backward runs in a process after that "
         "(pytorch/pytorch#161129); train eager and compile in a process of their own, before "
-        "any jax engine, or compare backends with launch_single_task --compare (a process each)"
+        "any jax engine, or compare backends in a process each"
     )
 
 
@@ -141,7 +143,8 @@ class EagerBackend:
         self.device = torch_device(ctx)
         dims = ParallelDims.of(cfg.mesh, ctx.world_size)
         self.shard = effective_shard(cfg.mesh.shard, dims.dp)
-        self.layout = TorchLayout(cfg, dims, self.device, self.amp)
+        kind = SplitLayout if dims.splits_model else WholeLayout
+        self.layout: Layout = kind(cfg, dims, self.device, self.amp)
         self.data_parallel = self.layout.data_parallel
         self.sharded_checkpoint = self.layout.sharded_checkpoint
         masters = self.amp.master_weights and self.layout.masters_separate
@@ -162,7 +165,7 @@ class EagerBackend:
         loss_fn = self.layout.loss_fn(loss_fn)  # checked before anything is built
         modules = self.layout.adopt(model, init)
         # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`,
-        # which skips a non-finite step on the device (torch_core.fused_guard).
+        # which skips a non-finite step on the device (core.fused_guard).
         build = lambda named: optimizer.build(dict(named), fused=True)  # noqa: E731
         self.core.attach(modules, build, self.layout.classifier(), self.cfg.step.ema)
         self.layout.attached(self.core)

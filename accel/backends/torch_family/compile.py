@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from accel.backends import eager
 from accel.backends.base import Supports
-from accel.backends.eager import EagerBackend
+from accel.backends.torch_family import eager
+from accel.backends.torch_family.eager import EagerBackend
 from accel.config import BackendConfig
 from accel.distributed import DistContext, env_context
 
@@ -20,7 +20,7 @@ SUPPORTS = Supports(
     shard=("none", "full", "grad_op"),
     tp=True,
     tp_head=True,
-    exclusive=(("--tp_head", "--shard", "the split classifier's rows are not sharded further"),),
+    exclusive=(("tp_head", "shard", "the split classifier's rows are not sharded further"),),
     remat=True,
     data_device_gpu=True,
     kernel_opt="inductor's max-autotune (without CUDA graphs)",

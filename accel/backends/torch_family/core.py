@@ -219,7 +219,7 @@ class TorchCore:
     def ema_weights(self):
         """The model's weights are the EMA's inside the block (for evaluation)."""
         if not self.ema:
-            raise ValueError("no EMA weights kept (--model_ema)")
+            raise ValueError("no EMA weights kept (ema=)")
         with torch.no_grad():
             kept = [p.detach().clone() for p in self.params]
             for p, e in zip(self.params, self.ema, strict=True):
