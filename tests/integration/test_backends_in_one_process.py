@@ -75,7 +75,7 @@ def test_eager_after_a_jax_engine_trains_as_if_jax_had_never_run():
 def test_cuda_after_torchax_is_refused_in_one_line_naming_the_cure():
     line = cuda_refusal(True, "jax")
     assert line is not None and "\n" not in line
-    assert "'jax'" in line and "process of their own" in line and "--compare" in line
+    assert "'jax'" in line and "process of their own" in line and "in a process each" in line
     assert cuda_refusal(True, "cuda") is None  # a process jax never touched
     assert cuda_refusal(True, None) is None
     assert cuda_refusal(False, "jax") is None  # the CPU needs no accelerator
