@@ -81,9 +81,9 @@ class XlaBackend:
         loss_fn: LossFn,
         init: ModelInit | None = None,
     ) -> None:
-        model = whole(model, init)
-        head = classifier_parameters(model)
-        self.layout.place(model, self.amp.param_dtype)
+        self.layout.place(whole(model, init), self.amp.param_dtype)
+        # Read once placed: moving a module to the XLA device replaces its parameters.
+        head = classifier_parameters(self.layout.module)
         self.devices.seed(self.cfg.step.seed)
 
         def build(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
