@@ -1,0 +1,62 @@
+"""What the pipeline and the split classifier need of a model and a loss comes as hooks any model
+can give (accel.parallel's `Pipelined`, `HasClassifier`; accel.losses' `SoftTargetLoss`,
+`ClassificationSums`); the command line's model and loss give them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from accel.losses import (
+    ClassificationSums,
+    SoftTargetLoss,
+    classifier_loss,
+    classifier_metrics,
+    soft_target_loss,
+)
+from accel.models import ModelConfig, create_model
+from accel.parallel import fsdp, pipeline, tp_head
+from accel.parallel.materialize import named_tensors
+
+
+def meta_vit() -> nn.Module:
+    with torch.device("meta"):
+        return create_model(ModelConfig("vit_micro"))
+
+
+def test_the_command_line_model_gives_the_hooks_of_the_split_layouts():
+    model = meta_vit()
+    stem, vit = pipeline.pipeline_parts(model)
+    assert stem is model.input_norm and vit is model.model
+    assert tp_head.linear_classifier(model) is model.model.head
+    assert fsdp.transformer_blocks(model) == list(model.model.blocks)
+    assert model.classifier_parameters() == list(model.model.head.parameters())
+
+
+def test_a_stage_keeps_the_whole_models_names_the_first_with_the_normalisation():
+    model = meta_vit()
+    whole = dict(named_tensors(model))
+    depth = len(model.model.blocks)
+    first = pipeline.ViTStage(model, range(0, 1), first=True, last=False)
+    last = pipeline.ViTStage(model, range(1, depth), first=False, last=True)
+    names = [set(dict(named_tensors(s))) for s in (first, last)]
+    assert names[0] <= set(whole) and names[1] <= set(whole)
+    assert "input_norm.mean" in names[0] and "input_norm.mean" not in names[1]
+    assert "model.head.weight" in names[1] and "model.head.weight" not in names[0]
+
+
+def test_a_model_without_the_hooks_is_refused_naming_what_it_must_give():
+    plain = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"pp= cuts a model that gives pipeline_parts\(\)"):
+        pipeline.pipeline_parts(plain)
+    with pytest.raises(ValueError, match=r"tp_head= splits the linear classifier .*get_classifier"):
+        tp_head.linear_classifier(plain)
+
+
+def test_the_command_line_loss_and_metric_declare_what_they_compute():
+    assert isinstance(classifier_loss, SoftTargetLoss)
+    assert isinstance(classifier_metrics, ClassificationSums)
+    logits, targets = torch.randn(3, 5), torch.softmax(torch.randn(3, 5), -1)
+    loss = classifier_loss(lambda x: x, (logits, targets))
+    torch.testing.assert_close(loss, soft_target_loss(logits, targets))
