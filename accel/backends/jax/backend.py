@@ -98,6 +98,10 @@ class JaxBackend:
         return self.state.opt_state
 
     @property
+    def ema(self) -> dict:
+        return self.state.ema
+
+    @property
     def buffers(self) -> dict:
         return self.state.buffers
 
