@@ -282,6 +282,14 @@ class Engine:
             )
         return out
 
+    def live_state(self) -> dict[str, Any]:
+        """The training state as the backend holds it now, nothing copied or gathered:
+        {"model": {name: tensor}, "optim": {name: {moment: tensor}}, and "ema" where one is
+        kept}, in the backend's own tensors (DTensors on eager and compile, XLA tensors on xla,
+        jax arrays with their shardings on jax). To see how a layout placed and split each
+        tensor; `state_dict()` gives host copies."""
+        return self.runner.live_state()
+
     def dtypes(self) -> dict[str, torch.dtype]:
         model = self.model_given
         if model is None:

@@ -216,6 +216,10 @@ class Backend(Protocol):
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None: ...
 
+    def live_state(self) -> dict[str, Any]:
+        """checkpoint_state's structure as the backend holds it on its devices, nothing copied
+        or gathered: its own tensors (DTensors, XLA tensors, jax arrays), with their layouts."""
+
     def rng_state(self) -> dict[str, torch.Tensor]:
         """This replica's device random generator state (empty where there is none)."""
 

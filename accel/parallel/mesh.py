@@ -38,13 +38,13 @@ class ParallelDims:
         line where the sizes do not fit together."""
         if mesh.tp > 1 and mesh.tp_head > 1 and mesh.tp != mesh.tp_head:
             raise ConfigError(
-                f"--tp {mesh.tp} and --tp_head {mesh.tp_head}: the classifier splits over the "
+                f"tp={mesh.tp} and tp_head={mesh.tp_head}: the classifier splits over the "
                 "tensor-parallel ranks; give the same size"
             )
         tp = max(mesh.tp, mesh.tp_head)
         if world % (tp * mesh.pp):
             raise ConfigError(
-                f"{world} ranks are not divisible by --tp {tp} x --pp {mesh.pp} (= {tp * mesh.pp})"
+                f"{world} ranks are not divisible by tp={tp} x pp={mesh.pp} (= {tp * mesh.pp})"
             )
         dp = world // (tp * mesh.pp)
         shard: ShardMode = mesh.shard if dp > 1 else "none"

@@ -77,16 +77,16 @@ def prepared(kind: str, devices: int, tp: int, shard: str, seed: int = 0) -> acc
 def layout(engine: accel.Engine) -> dict:
     """Per weight and per first moment: its whole shape, one device's part of it, and the mesh
     axis each of its axes splits over (None: whole)."""
-    runner = engine.runner
+    live = engine.live_state()  # the jax arrays, with their shardings
 
     def part(array) -> dict:
         local = array.addressable_shards[0].data
         spec = list(array.sharding.spec) + [None] * (array.ndim - len(array.sharding.spec))
         return {"shape": list(array.shape), "device": list(local.shape), "spec": spec}
 
-    adam = [s for group in runner.opt_state for s in group if hasattr(s, "mu")]
-    moments = {n: part(a) for s in adam for n, a in s.mu.items()}
-    return {"params": {n: part(a) for n, a in runner.params.items()}, "mu": moments}
+    trained = [n for n in live["model"] if n in live["optim"]]  # the parameters, not the buffers
+    moments = {n: part(live["optim"][n]["exp_avg"]) for n in trained}
+    return {"params": {n: part(live["model"][n]) for n in trained}, "mu": moments}
 
 
 def run_layout(kind: str, devices: int, tp: int, shard: str, out: Path) -> None:
@@ -212,7 +212,7 @@ def test_a_models_own_plan_trains_the_one_device_losses(one_device, tmp_path, sh
 
 def test_sizes_that_do_not_fit_are_refused_in_one_line(tmp_path):
     found = run(tmp_path, "refusals", "-", "-", "-")
-    assert "not divisible by --tp 3" in found["devices"]
+    assert "not divisible by tp=3" in found["devices"]
     assert "63 output features, not divisible by 2" in found["features"]
     assert all(message and "\n" not in message for message in found.values())
 

@@ -253,7 +253,7 @@ def test_tp_without_a_device_mesh_is_refused_in_one_line():
 
 def test_a_mesh_that_tp_does_not_divide_is_refused_in_one_line():
     message = _tp2_refusal(devices=3)
-    assert "not divisible by --tp 2" in message, message
+    assert "not divisible by tp=2" in message, message
 
 
 if __name__ == "__main__":

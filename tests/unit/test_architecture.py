@@ -6,6 +6,7 @@ its backend; the command line trains through accel.prepare and reads no backend 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from accel.engine import Engine
@@ -210,3 +211,47 @@ def test_one_torch_layout_over_the_mesh_not_a_class_per_parallelism():
             n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef)
         }
     assert functions <= defined
+
+
+# --- the backend seam: small parts, a library that knows no task, tests on the public API ------
+BACKEND_CLASS_LINES = 200
+BACKEND_FILE_LINES = 400
+TASK_NAMES = ("ImageClassifier", "classifier_loss")
+# The one test file that reads a backend's members: its subject is what dtype each part of each
+# backend holds at each AMP level (the step's matmuls, the weights, the optimizer's weights, the
+# EMA), which no public API names.
+RUNNER_READERS = ("tests/integration/test_amp_matrix.py",)
+
+
+def test_no_backend_class_over_200_lines_and_no_backend_file_or_engine_over_400():
+    files = [*(ROOT / "accel" / "backends").rglob("*.py"), ROOT / "accel" / "engine.py"]
+    for path in files:
+        lines = len(path.read_text().splitlines())
+        assert lines <= BACKEND_FILE_LINES, (str(path.relative_to(ROOT)), lines)
+        if path.name == "engine.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                size = node.end_lineno - node.lineno + 1
+                assert size <= BACKEND_CLASS_LINES, (str(path.relative_to(ROOT)), node.name, size)
+
+
+def test_the_backends_and_parallel_know_no_task_and_no_command_line_flag():
+    """The command line's classifier reaches the library through hooks any model can give, and
+    library messages name prepare's keywords (`tp=2`), which the command line shows as flags."""
+    for folder in ("backends", "parallel"):
+        for path in (ROOT / "accel" / folder).rglob("*.py"):
+            text = path.read_text()
+            rel = str(path.relative_to(ROOT))
+            assert not [name for name in TASK_NAMES if name in text], rel
+            flags = re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+            assert not flags, (rel, flags)
+
+
+def test_no_test_reads_an_engines_backend():
+    for path in (ROOT / "tests").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        if rel in RUNNER_READERS or path.name == "test_architecture.py":
+            continue
+        reads = [r for r in _reads(rel) if r[1] == "runner"]
+        assert not reads, (rel, reads)

@@ -106,6 +106,11 @@ class JaxBackend:
         return self.state.buffers
 
     @property
+    def optimizer(self) -> OptaxGroups:
+        """The user's optimizer as optax, one chain per parameter group."""
+        return self.state.optimizer
+
+    @property
     def step_fn(self) -> Any:
         """The compiled step (what lowers it: step_fn.lower(*step_arguments(...)))."""
         return self.step.fn
@@ -149,6 +154,9 @@ class JaxBackend:
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.state.load_checkpoint_state(state)
+
+    def live_state(self) -> dict[str, Any]:
+        return self.state.live_state()
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         return self.state.rng_state()

@@ -69,20 +69,24 @@ class OptaxGroups:
 
     def to_torch(self, state: tuple) -> dict[str, dict[str, torch.Tensor]]:
         """torch's state by parameter name."""
-        out = {}
+        out: dict[str, dict[str, torch.Tensor]] = {}
+        for name, moments in self.named(state).items():
+            out[name] = {k: to_torch(v).float() for k, v in moments.items() if k != "step"}
+            if "step" in moments:
+                out[name]["step"] = torch.tensor(float(host_value(moments["step"])))
+        return out
+
+    def named(self, state: tuple) -> dict[str, dict[str, jax.Array]]:
+        """The optimizer's state by parameter name, under torch's names, as the arrays it is."""
+        out: dict[str, dict[str, jax.Array]] = {}
         for g, s in zip(self.spec.groups, state, strict=True):
             adam = _find(s, optax.ScaleByAdamState)
             trace = _find(s, optax.TraceState)
             for n in g.names:
                 if adam is not None:
-                    step = torch.tensor(float(host_value(adam.count)))
-                    out[n] = {
-                        "step": step,
-                        "exp_avg": to_torch(adam.mu[n]).float(),
-                        "exp_avg_sq": to_torch(adam.nu[n]).float(),
-                    }
+                    out[n] = {"step": adam.count, "exp_avg": adam.mu[n], "exp_avg_sq": adam.nu[n]}
                 elif trace is not None:
-                    out[n] = {"momentum_buffer": to_torch(trace.trace[n]).float()}
+                    out[n] = {"momentum_buffer": trace.trace[n]}
         return out
 
     def from_torch(self, saved: dict, params: dict, dtype: jnp.dtype) -> tuple:

@@ -172,6 +172,16 @@ class TrainState:
             out["ema"] = {n: to_torch(self.ema[n]).float() for n in self.param_names}
         return out
 
+    def live_state(self) -> dict[str, Any]:
+        """checkpoint_state's structure in the arrays themselves, with their shardings."""
+        out = {
+            "model": {**self.buffers, **self.params},
+            "optim": self.optimizer.named(self.opt_state),
+        }
+        if self.ema:
+            out["ema"] = dict(self.ema)
+        return out
+
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}

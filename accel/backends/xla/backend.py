@@ -126,6 +126,9 @@ class XlaBackend:
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.layout.load_checkpoint_state(state)
 
+    def live_state(self) -> dict[str, Any]:
+        return self.layout.checkpoint_state()  # the XLA tensors themselves, sharded as trained
+
     def rng_state(self) -> dict[str, torch.Tensor]:
         return self.devices.rng_state()
 
