@@ -401,3 +401,22 @@ def test_a_resumed_run_takes_the_saved_learning_rates(tmp_path, backend, accel_s
     decayed_run(backend, range(3), tmp_path / "half.pt", accel_steps_it)
     resumed = decayed_run(backend, range(3, 6), tmp_path / "half.pt", accel_steps_it)
     assert resumed == pytest.approx(whole[3:], **PARITY)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_live_state_is_the_trained_state_in_the_backends_own_tensors(backend):
+    model = Net()
+    engine = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, quiet=True)
+    engine.fetch([engine.step(*b) for b in batches(2)])
+    live, host = engine.live_state(), engine.state_dict()
+    assert set(host) <= set(live["model"]) and set(live["optim"]) <= set(live["model"])
+    weight = live["model"]["head.weight"]
+    assert tuple(weight.shape) == tuple(host["head.weight"].shape)
+    assert {"exp_avg", "exp_avg_sq"} <= set(live["optim"]["head.weight"])
+    if backend == "jax":  # the array the step updates, with its sharding
+        import jax
+
+        assert isinstance(weight, jax.Array) and weight.sharding is not None
+    else:
+        assert isinstance(weight, torch.Tensor)
+        assert weight.device.type == ("xla" if backend == "xla" else "cpu")

@@ -225,6 +225,9 @@ class EagerBackend:
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         self.core.load_named_state(state, self.layout.checkpoint_view)
 
+    def live_state(self) -> dict[str, Any]:
+        return self.checkpoint_state()  # the trained tensors themselves (DTensors where split)
+
     def rng_state(self) -> dict[str, torch.Tensor]:
         if self.device.type != "cuda":
             return {}
