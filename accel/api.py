@@ -141,7 +141,7 @@ def prepare(
     attention: the jax backend's attention kernels: "xla" (XLA's own ops, no custom call),
         "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU) or "auto"
         (by shape: cuDNN for long unbiased sequences such as ViT's, XLA for biased or
-        short ones such as Swin's windows; accel/backends/jax_attention.py). The other
+        short ones such as Swin's windows; accel/backends/jax/attention.py). The other
         backends run torch's own attention.
     quiet: say nothing at start (default: one line naming the backend and why).
     state: an object with a `step` count and state_dict/load_state_dict (a

@@ -47,7 +47,7 @@ class StepConfig:
     own random draws. remat: recompute activations in the backward. kernel_opt: the backend's
     extra fused paths (`launch_single_task --backends` lists them). attention: the jax
     backend's attention kernels: "xla" (XLA's own ops), "cudnn" (cuDNN flash attention wherever
-    it takes the shape) or "auto" (by shape, accel/backends/jax_attention.py); on a CPU all
+    it takes the shape) or "auto" (by shape, accel/backends/jax/attention.py); on a CPU all
     run on XLA, and the other backends run torch's own attention whatever it says.
     """
 

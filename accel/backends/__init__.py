@@ -1,6 +1,6 @@
 """Backends by name, what each supports, and which one a process runs. Adding one means adding
-`accel/backends/<name>.py` with SUPPORTS, require(), context() and build() (see base.py), and its
-name to config.BackendName."""
+a folder `accel/backends/<name>/` whose __init__ gives SUPPORTS, require(), context() and
+build() (see base.py), its module to BACKEND_MODULES and its name to config.BackendName."""
 
 from __future__ import annotations
 

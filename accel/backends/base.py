@@ -2,7 +2,8 @@
 
 torchax needs a pure step function carrying weights and optimizer state, so the seam sits around
 the full optimizer step (micro-batches, gradient averaging, clipping, update). Each backend lives in
-one file of this package and is found by name; its framework imports stay inside that file.
+a folder of this package (xla/, jax/, torch_family/ for eager and compile), found by name; its
+framework imports stay inside that folder.
 
 A backend module provides SUPPORTS (what it can run), require() (raise BackendUnavailable where it
 cannot run here), context() (this process's place among the replicas) and build(cfg, ctx).

@@ -18,8 +18,7 @@ CLIENTS = ("accel.cli", "accel.report")  # the library's clients, in folders of 
 # `python -m accel.launch_single_task` keeps its name: the one library-level file that imports
 # the command line (it is its entry point, nothing imports it).
 ENTRY_POINTS = ("accel.launch_single_task",)
-# Framework packages and the backend that may import each: its files (accel/backends/jax.py,
-# accel/backends/jax_step.py, ...) or its folder (accel/backends/jax/...), by path prefix.
+# Framework packages and the backend folder that may import each (by path prefix).
 FRAMEWORKS = {
     "torch_xla": ("accel/backends/xla",),
     "jax": ("accel/backends/jax",),
