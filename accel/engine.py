@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -104,6 +105,7 @@ class Engine:
         self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
         self.max_recompiles = -1  # graphs compiled after warm-up before a step stops (-1: any)
+        self.compiled_at_warmup: int | None = None  # the backend's step compiles at warm-up
         self.changes = 0  # steps and loads so far: what changed the trained weights
         self.synced = 0  # the changes the given model holds (sync_model)
         self.reading = False  # the engine reads the given model: its read hooks stand by
@@ -208,7 +210,7 @@ class Engine:
         limit = self.max_recompiles
         if limit < 0:
             return
-        compiled = self.runner.compiles_after_warmup()
+        compiled = self.compiles_after_warmup()
         if compiled <= limit:
             return
         if len(self.shapes_seen) > 1:
@@ -327,13 +329,20 @@ class Engine:
     def mark_warmup_done(self) -> None:
         """Count compiles from here on: `stats().compiles_after_warmup` are recompiles, and a
         step past CompilerConfig's `max_recompiles` of them raises RecompileError."""
-        self.runner.mark_warmup_done()
+        self.compiled_at_warmup = self.runner.step_compiles()
+
+    def compiles_after_warmup(self) -> int:
+        """Graphs of the step compiled since `mark_warmup_done` (0 before it). At least 0: a
+        step rebuilt apart (jax's, on XLA's attention where cuDNN refused) counts afresh."""
+        if self.compiled_at_warmup is None:
+            return 0
+        return max(0, self.runner.step_compiles() - self.compiled_at_warmup)
 
     def stats(self) -> BackendStats:
         """What the backend tells of the run so far: graphs compiled (and after warm-up), compile
         time, persistent-cache hits, ops run off the compiler, the training state a rank holds,
         the device's peak memory."""
-        return self.runner.stats()
+        return replace(self.runner.stats(), compiles_after_warmup=self.compiles_after_warmup())
 
     # --- checkpoints: the command line's format, tensors only ------------------------------------
     def checkpoint_parts(self) -> CheckpointParts:

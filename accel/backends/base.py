@@ -232,12 +232,10 @@ class Backend(Protocol):
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""
 
-    def mark_warmup_done(self) -> None:
-        """Start counting compiles from here on."""
-
-    def compiles_after_warmup(self) -> int:
-        """Graphs the step compiled since `mark_warmup_done` (0 before it): the Engine stops
-        past CompilerConfig.max_recompiles. Evaluation's own graphs are not counted."""
+    def step_compiles(self) -> int:
+        """Graphs of the training step compiled so far (evaluation's own not counted; 0 where
+        nothing compiles). The Engine counts those after warm-up and stops past
+        CompilerConfig.max_recompiles: one policy for every backend."""
 
     def stats(self) -> BackendStats:
         """Compiles, memory and whatever else the backend can tell of the run so far."""

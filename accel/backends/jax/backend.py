@@ -171,11 +171,8 @@ class JaxBackend:
     def synchronize(self) -> None:
         jax.block_until_ready(self.state.params)
 
-    def mark_warmup_done(self) -> None:
-        self.step.mark_warmup_done()
-
-    def compiles_after_warmup(self) -> int:
-        return self.step.compiles_after_warmup()
+    def step_compiles(self) -> int:
+        return self.step.compiled()
 
     def stats(self) -> BackendStats:
         events = self.monitor.snapshot()
@@ -183,7 +180,6 @@ class JaxBackend:
         hits = int(spent.pop("cache_hits"))
         return BackendStats(
             graphs_compiled=self.step.compiled(),
-            compiles_after_warmup=self.step.compiles_after_warmup(),
             compile_time_s=sum(spent.values()),
             compile_phases_s=spent,
             persistent_cache=True,

@@ -75,7 +75,6 @@ class CompiledStep:
         self.cfg, self.runtime, self.state, self.tracer = cfg, runtime, state, tracer
         self.attention, self.loss_fn = attention, loss_fn
         self.extra_keys: list[str] = []
-        self.compiles_at_warmup: int | None = None
         self.fn = self._jit()
 
     def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> tuple[jax.Array, jax.Array]:
@@ -135,15 +134,6 @@ class CompiledStep:
 
     def compiled(self) -> int:
         return self.fn._cache_size()
-
-    def mark_warmup_done(self) -> None:
-        self.compiles_at_warmup = self.compiled()
-
-    def compiles_after_warmup(self) -> int:
-        if self.compiles_at_warmup is None:
-            return 0
-        # max: a step rebuilt on XLA's attention (cuDNN refused) starts a cache of its own
-        return max(0, self.compiled() - self.compiles_at_warmup)
 
 
 class Evaluation:

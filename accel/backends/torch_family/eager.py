@@ -95,10 +95,10 @@ class Compiler(Protocol):
 
     def __call__(self, fn: Callable) -> Callable: ...
 
-    def mark_warmup_done(self) -> None: ...
+    def step_compiles(self) -> int: ...
 
     def stats(self) -> dict[str, Any]:
-        """graphs_compiled and compiles_after_warmup (BackendStats' fields)."""
+        """graphs_compiled (BackendStats' field)."""
 
 
 def torch_device(ctx: DistContext) -> torch.device:
@@ -248,12 +248,8 @@ class EagerBackend:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def mark_warmup_done(self) -> None:
-        if self.compiler:
-            self.compiler.mark_warmup_done()
-
-    def compiles_after_warmup(self) -> int:
-        return self.compiler.stats()["compiles_after_warmup"] if self.compiler else 0
+    def step_compiles(self) -> int:
+        return self.compiler.step_compiles() if self.compiler else 0
 
     def stats(self) -> BackendStats:
         cuda = self.device.type == "cuda"

@@ -142,11 +142,8 @@ class XlaBackend:
         self.devices.synchronize()
 
     # --- compile accounting ---------------------------------------------------------------------
-    def mark_warmup_done(self) -> None:
-        self.compiles.mark_warmup_done()
-
-    def compiles_after_warmup(self) -> int:
-        return self.compiles.after_warmup()
+    def step_compiles(self) -> int:
+        return self.compiles.step_compiles()
 
     def stats(self) -> BackendStats:
         return BackendStats(

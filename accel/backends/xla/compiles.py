@@ -22,19 +22,16 @@ def fallback_ops() -> dict[str, int]:
 
 
 class XlaCompiles:
-    """The step's compiles: counted from the backend's start, and from the end of warm-up."""
+    """The graphs compiled since the backend started, the step's apart from evaluation's."""
 
     def __init__(self, cache_dir: Path, readonly: bool):
         # The persistent cache is set before the first computation.
         self.persistent_cache = init_compile_cache(cache_dir, readonly)
         self.at_start = compile_count()  # the counters are per process, not per run
-        self.at_warmup: int | None = None
+        self.evaluation = 0  # graphs compiled by evaluation
 
-    def mark_warmup_done(self) -> None:
-        self.at_warmup = compile_count()
-
-    def after_warmup(self) -> int:
-        return 0 if self.at_warmup is None else compile_count() - self.at_warmup
+    def step_compiles(self) -> int:
+        return compile_count() - self.at_start - self.evaluation
 
     @contextlib.contextmanager
     def not_counted(self) -> Iterator[None]:
@@ -43,15 +40,13 @@ class XlaCompiles:
         try:
             yield
         finally:
-            if self.at_warmup is not None:
-                self.at_warmup += compile_count() - before
+            self.evaluation += compile_count() - before
 
     def stats(self) -> dict[str, Any]:
         """BackendStats' compile fields."""
         compile_time = met.metric_data("CompileTime")
         return {
             "graphs_compiled": compile_count() - self.at_start,
-            "compiles_after_warmup": self.after_warmup(),
             "compile_time_s": compile_time[1] / 1e9 if compile_time else 0.0,
             "persistent_cache": self.persistent_cache,
             "persistent_cache_hits": met.counter_value("PersistentCacheHit") or 0,
