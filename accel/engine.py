@@ -56,11 +56,12 @@ from accel.loop import (
     LoopPart,
     SkipWatch,
     StepCount,
-    check_batch,
     check_sharded,
     check_workers,
+    checked_batch,
+    compiled_again,
+    recompile_cause,
     say,
-    shape_text,
     user_errors,
 )
 from accel.optim import LearningRates
@@ -170,9 +171,7 @@ class Engine:
         """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
         handle that stays on the device until `fetch`. The batch is split into the `accum`
         micro-batches here; `step_micro_batches` takes them already split."""
-        if len(batch) == 1 and isinstance(batch[0], tuple | list):
-            batch = tuple(batch[0])
-        check_batch(batch)
+        batch = checked_batch(batch)
         try:
             return self.step_micro_batches(self.micro_batches(batch))
         except BackendUnavailable as err:  # an op the backend cannot lower: one line
@@ -196,13 +195,19 @@ class Engine:
         self.shapes_seen.add(shapes)
         self.check_recompiles()  # past the limit: the error, not the notice
         if new and before is not None and self.runner.compiles_per_shape and self.is_main:
-            seconds = time.perf_counter() - started
-            say(
-                f"the {self.backend} step compiled again ({seconds:.1f} s) for batch shapes "
-                f"{shape_text(shapes)}, after {shape_text(before)}: keep them fixed (a "
-                "DataLoader's drop_last=True)"
-            )
+            say(compiled_again(self.backend, time.perf_counter() - started, shapes, before))
         return handle
+
+    def lowered_step(self, *batch: Any) -> Any:
+        """The whole training step (forward, loss, backward, update) lowered for a batch of
+        these shapes and dtypes, and run nowhere, on a backend that compiles it as one program:
+        jax's `jax.stages.Lowered` (`.as_text()` its StableHLO, `.compile().cost_analysis()`).
+        Nothing trains. The other backends refuse in one line."""
+        batch = checked_batch(batch)
+        try:
+            return self.runner.lowered_step(self.micro_batches(batch), self.rates(self.state.step))
+        except BackendUnavailable as err:
+            raise AccelError(str(err)) from None
 
     def check_recompiles(self) -> None:
         """More graphs compiled after warm-up than `max_recompiles` (CompilerConfig): stop, in
@@ -213,18 +218,7 @@ class Engine:
         compiled = self.compiles_after_warmup()
         if compiled <= limit:
             return
-        if len(self.shapes_seen) > 1:
-            shapes = ", ".join(shape_text(s) for s in sorted(self.shapes_seen))
-            cause = (
-                f"the batch shapes changed between steps ({shapes}); keep them fixed (a "
-                "DataLoader's drop_last=True, padded and masked evaluation batches)"
-            )
-        else:
-            cause = (
-                "the traced step changed with fixed batch shapes (a Python branch on a tensor "
-                "value, .item() inside the step, or a changing Python constant); "
-                f"{self.runner.explain_compiles}"
-            )
+        cause = recompile_cause(self.shapes_seen, self.runner.explain_compiles)
         raise RecompileError(f"{compiled} graphs compiled after warm-up (limit {limit}): {cause}")
 
     def micro_batches(self, batch: tuple) -> list[tuple]:

@@ -87,8 +87,41 @@ def check_batch(batch: tuple) -> None:
             raise AccelError(f"a batch's tensors split along their first axis, got {kind}")
 
 
+def checked_batch(batch: tuple) -> tuple:
+    """`step(images, labels)` or `step((images, labels))`: the batch's tuple of tensors,
+    checked."""
+    if len(batch) == 1 and isinstance(batch[0], tuple | list):
+        batch = tuple(batch[0])
+    check_batch(batch)
+    return batch
+
+
 def shape_text(shapes: tuple) -> str:
     return " ".join(str(list(shape)) for shape in shapes)
+
+
+def compiled_again(backend: str, seconds: float, shapes: tuple, before: tuple) -> str:
+    """The notice of a step compiled again for new batch shapes."""
+    return (
+        f"the {backend} step compiled again ({seconds:.1f} s) for batch shapes "
+        f"{shape_text(shapes)}, after {shape_text(before)}: keep them fixed (a "
+        "DataLoader's drop_last=True)"
+    )
+
+
+def recompile_cause(shapes_seen: set[tuple], explain: str) -> str:
+    """Why the step compiled again after warm-up, from the batch shapes it was given."""
+    if len(shapes_seen) > 1:
+        shapes = ", ".join(shape_text(s) for s in sorted(shapes_seen))
+        return (
+            f"the batch shapes changed between steps ({shapes}); keep them fixed (a "
+            "DataLoader's drop_last=True, padded and masked evaluation batches)"
+        )
+    return (
+        "the traced step changed with fixed batch shapes (a Python branch on a tensor "
+        "value, .item() inside the step, or a changing Python constant); "
+        f"{explain}"
+    )
 
 
 def say(line: str) -> None:

@@ -71,7 +71,6 @@ def main_step(args: argparse.Namespace):
     import torch
 
     import accel
-    from accel.backends.jax import attention_override
     from accel.losses import classifier_loss
     from accel.models.factory import ModelConfig, create_model
 
@@ -90,20 +89,14 @@ def main_step(args: argparse.Namespace):
         attention=args.attention,
         quiet=True,
     )
-    # The Engine runs its step; lowering it without running is the backend's own (its compiled
-    # step_fn, the arguments step_arguments builds, the attention override it traces under).
-    runner = engine.runner
     images = torch.zeros(args.batch_size, *model.input_size, dtype=torch.uint8)
-    arrays = runner.arrays((images, soft_targets(args.batch_size, args.num_classes)))
-    batch = tuple(a[None] for a in arrays)  # [micro-steps, batch, ...], as train_step stacks
     started = time.perf_counter()
-    with attention_override(runner.env, runner.sdpa):
-        lowered = runner.step_fn.lower(*runner.step_arguments(batch, 1e-3, 0.0))
+    lowered = engine.lowered_step(images, soft_targets(args.batch_size, args.num_classes))
     lower_s = time.perf_counter() - started
-    kernels = runner.attention.stats()
+    details = engine.stats().details
     attention = {
-        "choice": kernels["attention_choice"],
-        "shapes": kernels["attention_shapes"],
+        "choice": details["attention_choice"],
+        "shapes": details["attention_shapes"],
     }
     return model, lowered, lower_s, attention
 

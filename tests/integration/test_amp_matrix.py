@@ -71,28 +71,36 @@ def test_kernel_opt_is_left_out_only_where_it_changes_nothing():
 SHORT = {"torch.float32": "f32", "torch.bfloat16": "bf16", "float32": "f32", "bfloat16": "bf16"}
 
 
-def _linear_output_dtypes(module: torch.nn.Module) -> dict:
-    """Records the output dtype of every nn.Linear while the step runs (a dict that stops
-    growing after the first step, so that dynamo's guards on it hold from then on)."""
-    seen: dict = {}
-    for name, m in module.named_modules():
-        if isinstance(m, torch.nn.Linear):
-            m.register_forward_hook(lambda _m, _i, out, name=name: seen.update({name: out.dtype}))
-    return seen
+class LinearWatch:
+    """While the run trains: the output dtype of every nn.Linear (a dict keyed by module that
+    stops growing after the first step, so that dynamo's guards on it hold), and with `count`
+    (eager only: a count changes every step) each one's calls with gradients on, which
+    recomputation in the backward doubles. torch's global module hook, its public API."""
+
+    def __init__(self, count: bool):
+        self.dtypes: dict[int, torch.dtype] = {}
+        self.calls: dict[int, int] = {}
+        self.count = count
+
+    def __enter__(self) -> LinearWatch:
+        self.handle = torch.nn.modules.module.register_module_forward_hook(self.hook)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.handle.remove()
+
+    def hook(self, module: torch.nn.Module, _inputs: tuple, out) -> None:
+        if isinstance(module, torch.nn.Linear) and isinstance(out, torch.Tensor):
+            self.dtypes[id(module)] = out.dtype
+            if self.count and torch.is_grad_enabled():
+                self.calls[id(module)] = self.calls.get(id(module), 0) + 1
 
 
-def _lowered_step(backend, batch: int) -> str:
+def _lowered_step(engine, batch: int) -> str:
     """The jax step as StableHLO text, for the shapes the case trained on."""
-    import jax
-    import jax.numpy as jnp
-
-    from accel.backends.jax import attention_override
-
-    images = jax.ShapeDtypeStruct((1, batch, 3, 32, 32), jnp.uint8)
-    targets = jax.ShapeDtypeStruct((1, batch, 10), jnp.float32)
-    args = backend.step_arguments((images, targets), 0.0, 0.0)
-    with attention_override(backend.env, backend.sdpa):
-        return backend.step_fn.lower(*args).as_text()
+    images = torch.zeros((batch, 3, 32, 32), dtype=torch.uint8)
+    targets = torch.full((batch, 10), 0.1)
+    return engine.lowered_step(images, targets).as_text()
 
 
 def _dot_operand_dtypes(text: str) -> set[str]:
@@ -134,9 +142,8 @@ def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: boo
         model_ema_decay=0.5,
     )
     trainer = Trainer(cfg, DistContext())
-    b = trainer.engine.runner
-    seen = {} if backend == "jax" else _linear_output_dtypes(b.core.modules[0])
-    summary = trainer.train()
+    with LinearWatch(count=backend == "eager") as watch:
+        summary = trainer.train()
     records = [json.loads(line) for line in (cfg.run_dir() / "metrics.jsonl").open()]
     steps = [r for r in records if r["kind"] == "step"]
     common = {
@@ -146,33 +153,35 @@ def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: boo
         "timed": len(steps) == 5
         and all(r["step_time_s"] > 0 and r["images_per_sec"] > 0 for r in steps),
     }
+    engine = trainer.engine
+    live = engine.live_state()  # the backend's own tensors, as it trains them
+    params = [n for n in live["model"] if n in live["optim"]]  # the weights, not the buffers
+    weights = {SHORT[str(live["model"][n].dtype)] for n in params}
+    ema = list(live["ema"].values())
+    common["ema"] = {SHORT[str(e.dtype)] for e in ema}
+    common["weights"] = weights
     if backend == "jax":
         import jax
 
-        weights = {SHORT[str(a.dtype)] for a in jax.tree.leaves(b.params)}
-        text = _lowered_step(b, cfg.batch_size)
-        ema = jax.tree.leaves(b.ema)
+        text = _lowered_step(engine, cfg.batch_size)
+        shapes = engine.stats().details["attention_shapes"].values()
         return {
             **common,
-            "ema": {SHORT[str(a.dtype)] for a in ema},
             "ema_finite": all(bool(jax.numpy.isfinite(a).all()) for a in ema),
             "step": _dot_operand_dtypes(text),
-            "weights": weights,
             "optimizer": weights,  # optax updates the stored weights themselves
-            "attention_calls": b.attention.calls,
+            "attention_calls": sum(shape["calls"] for shape in shapes),
             "recomputes": "optimization_barrier" in text,  # jax.checkpoint's mark
         }
+    masters = live.get("masters", {})  # the optimizer's fp32 copies, where it keeps them (O2)
     return {
         **common,
-        "ema": {SHORT[str(e.dtype)] for e in b.core.ema},
         # On the host: a check on the XLA device would count as an op run outside the graph.
-        "ema_finite": all(bool(e.cpu().isfinite().all()) for e in b.core.ema),
-        "step": {SHORT[str(d)] for d in seen.values()},
-        "weights": {SHORT[str(p.dtype)] for p in b.core.modules[0].parameters()},
-        "optimizer": {SHORT[str(p.dtype)] for p in b.core.optimizer_params},
-        "recomputes": any(
-            getattr(m, "grad_checkpointing", False) for m in b.core.modules[0].modules()
-        ),
+        "ema_finite": all(bool(e.cpu().isfinite().all()) for e in ema),
+        "step": {SHORT[str(d)] for d in watch.dtypes.values()},
+        "optimizer": {SHORT[str(masters.get(n, live["model"][n]).dtype)] for n in params},
+        # each layer run again in the backward: more calls with gradients than steps
+        "recomputes": any(calls > len(summary["losses"]) for calls in watch.calls.values()),
     }
 
 

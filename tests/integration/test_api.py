@@ -428,3 +428,20 @@ def test_live_state_is_the_trained_state_in_the_backends_own_tensors(backend):
     else:
         assert isinstance(weight, torch.Tensor)
         assert weight.device.type == ("xla" if backend == "xla" else "cpu")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_step_lowers_on_jax_and_is_refused_in_one_line_elsewhere(backend):
+    model = Net()
+    engine = accel.prepare(model, grouped(model, "adamw"), loss_fn, backend=backend, quiet=True)
+    batch = batches(1)[0]
+    if backend != "jax":
+        refusal = f"the {backend} backend .*: no program to lower"
+        with pytest.raises(accel.AccelError, match=refusal):
+            engine.lowered_step(*batch)
+        return
+    before = engine.state_dict()
+    text = engine.lowered_step(*batch).as_text()
+    assert "stablehlo.dot_general" in text  # the layers' matmuls, forward and backward
+    assert engine.steps_done == 0  # lowered, not run
+    assert all(torch.equal(before[n], v) for n, v in engine.state_dict().items())

@@ -136,6 +136,11 @@ class JaxBackend:
         batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
         return self.step(batch, lr, ema_decay)
 
+    def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
+        micro_batches = [self.runtime.arrays(b) for b in micro_batches]
+        batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
+        return self.step.lower(batch, lr, 0.0)
+
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         return self.step.fetch_results(handles)
 

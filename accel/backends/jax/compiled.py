@@ -111,6 +111,11 @@ class CompiledStep:
         rates = self.state.optimizer.rates(lr)
         return (*self.state.arguments(), batch, rates, jnp.float32(ema_decay))
 
+    def lower(self, batch: tuple, lr: float | list[float], ema_decay: float) -> Any:
+        """The step lowered for `batch`'s shapes, run nowhere (jax.stages.Lowered)."""
+        with self.tracer.tracing():
+            return self.fn.lower(*self.arguments(batch, lr, ema_decay))
+
     def __call__(self, batch: tuple, lr: float | list[float], ema_decay: float) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0, *extras] on the devices."""
         args = self.arguments(batch, lr, ema_decay)

@@ -86,6 +86,16 @@ def updated_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> di
     return {"param": param, **state}
 
 
+def live_tensors(core: TorchCore, named: dict[str, Any]) -> dict[str, Any]:
+    """`named` (named_state's structure, holding the fp32 masters under "model" where the
+    optimizer keeps them) with the modules' own weights under "model", as the forward uses them,
+    and the optimizer's copies under "masters" where they differ (O2)."""
+    weights = {n: p for m in core.modules for n, p in m.named_parameters() if n in named["model"]}
+    masters = {n: core.updated(p) for n, p in weights.items() if core.updated(p) is not p}
+    live = {**named, "model": {**named["model"], **weights}}
+    return {**live, "masters": masters} if masters else live
+
+
 def where_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
     """Any optimizer, without a host sync: the update is computed, then undone where `finite`
     is false. In an XLA graph a clone is a reference to the value, not a device copy; elsewhere

@@ -25,7 +25,7 @@ from accel.backends.base import (
     Supports,
     split_batch,
 )
-from accel.backends.torch_family.core import TorchCore, fused_guard, metric_sums
+from accel.backends.torch_family.core import TorchCore, fused_guard, live_tensors, metric_sums
 from accel.backends.torch_family.layout import Layout
 from accel.backends.torch_family.split import SplitLayout
 from accel.backends.torch_family.whole import WholeLayout
@@ -183,6 +183,9 @@ class EagerBackend:
     def split(self, batch: tuple, parts: int) -> list[tuple]:
         return split_batch(batch, parts)
 
+    def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
+        raise BackendUnavailable(f"the {self.name} backend runs torch ops: no program to lower")
+
     def train_step(
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
@@ -226,7 +229,7 @@ class EagerBackend:
         self.core.load_named_state(state, self.layout.checkpoint_view)
 
     def live_state(self) -> dict[str, Any]:
-        return self.checkpoint_state()  # the trained tensors themselves (DTensors where split)
+        return live_tensors(self.core, self.checkpoint_state())  # DTensors where split
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         if self.device.type != "cuda":

@@ -14,13 +14,14 @@ from torch import nn
 from accel.amp import amp_policy
 from accel.backends.base import (
     BackendStats,
+    BackendUnavailable,
     Batch,
     LossFn,
     MetricFn,
     ModelInit,
     StepResult,
 )
-from accel.backends.torch_family.core import TorchCore
+from accel.backends.torch_family.core import TorchCore, live_tensors
 from accel.backends.xla.batches import XlaBatches
 from accel.backends.xla.compiles import XlaCompiles
 from accel.backends.xla.devices import XlaDevices
@@ -103,6 +104,9 @@ class XlaBackend:
     def split(self, batch: tuple, parts: int) -> list[tuple]:
         return self.step.split(batch, parts)
 
+    def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
+        raise BackendUnavailable("the xla backend traces its step lazily: no program to lower")
+
     def train_step(
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
@@ -127,7 +131,7 @@ class XlaBackend:
         self.layout.load_checkpoint_state(state)
 
     def live_state(self) -> dict[str, Any]:
-        return self.layout.checkpoint_state()  # the XLA tensors themselves, sharded as trained
+        return live_tensors(self.core, self.layout.checkpoint_state())  # sharded as trained
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         return self.devices.rng_state()
