@@ -135,7 +135,7 @@ def support_matrix(label: Callable[[str], str] = str) -> str:
             return "; ".join(label(f"{a.strip('-')}= + {b.strip('-')}=") for a, b, _ in value)
         if isinstance(value, tuple):
             return ", ".join(v for v in value if v != "none") or "-"
-        return str(value)
+        return label(str(value))
 
     lines = ["| | " + " | ".join(BACKENDS) + " |", "|---" * (len(BACKENDS) + 1) + "|"]
     for what, key in SUPPORT_ROWS:

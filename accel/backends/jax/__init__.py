@@ -39,7 +39,7 @@ SUPPORTS = Supports(
     data_device_gpu=True,
     replicas="devices",
     kernel_opt="nothing more: attention always runs through jax.nn.dot_product_attention "
-    "(cuDNN flash attention on GPU)",
+    "(attention= picks cuDNN or XLA per shape)",
 )
 
 try:
