@@ -177,7 +177,7 @@ def test_the_command_line_builds_its_engine_through_prepare_only():
 
 def test_the_trainer_reads_no_backend_member():
     """The loop, its evaluation and its checkpoints use the Engine's public names only: no read
-    of a backend (`engine.runner`, `self.backend`) and no import of the backends."""
+    of the Engine's backend (its `runner`, a `self.backend`) and no import of the backends."""
     for rel in CLI_LOOP:
         reads = _reads(rel)
         assert not [r for r in reads if r[1] == "runner" or r[0] in ("runner", "backend")], rel

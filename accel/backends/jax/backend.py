@@ -88,38 +88,11 @@ class JaxBackend:
         )
         self.evaluation = Evaluation(self.runtime, self.state, self.tracer)
 
-    # --- the state and the compiled step, as the parts keep them ------------------------------
-    @property
-    def params(self) -> dict:
-        return self.state.params
-
-    @property
-    def opt_state(self) -> Any:
-        return self.state.opt_state
-
-    @property
-    def ema(self) -> dict:
-        return self.state.ema
-
-    @property
-    def buffers(self) -> dict:
-        return self.state.buffers
-
+    # --- the state, as the parts keep it --------------------------------------------------------
     @property
     def optimizer(self) -> OptaxGroups:
         """The user's optimizer as optax, one chain per parameter group."""
         return self.state.optimizer
-
-    @property
-    def step_fn(self) -> Any:
-        """The compiled step (what lowers it: step_fn.lower(*step_arguments(...)))."""
-        return self.step.fn
-
-    def step_arguments(self, batch: tuple, lr: float | list[float], ema_decay: float) -> tuple:
-        return self.step.arguments(batch, lr, ema_decay)
-
-    def arrays(self, batch: tuple) -> tuple:
-        return self.runtime.arrays(batch)
 
     # --- training -----------------------------------------------------------------------------
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
@@ -132,14 +105,15 @@ class JaxBackend:
         self, micro_batches: list[tuple], lr: float | list[float], ema_decay: float = 0.0
     ) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
-        micro_batches = [self.runtime.arrays(b) for b in micro_batches]
-        batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
-        return self.step(batch, lr, ema_decay)
+        return self.step(self.stacked(micro_batches), lr, ema_decay)
 
     def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
-        micro_batches = [self.runtime.arrays(b) for b in micro_batches]
-        batch = tuple(jnp.stack(parts) for parts in zip(*micro_batches, strict=True))
-        return self.step.lower(batch, lr, 0.0)
+        return self.step.lower(self.stacked(micro_batches), lr, 0.0)
+
+    def stacked(self, micro_batches: list[tuple]) -> tuple:
+        """The micro-batches as the step takes them: each tensor [micro-steps, batch, ...]."""
+        arrays = [self.runtime.arrays(b) for b in micro_batches]
+        return tuple(jnp.stack(parts) for parts in zip(*arrays, strict=True))
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         return self.step.fetch_results(handles)
