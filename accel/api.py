@@ -178,6 +178,7 @@ def prepare(
             f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
             "one): there is nothing to train"
         )
+    check_float32(model)
     if cfg.mesh.tp > 1:  # what splits, refused in one line before anything is built
         resolve_plan(model, cfg.mesh.tp_plan, cfg.mesh.tp)
     spec = OptimizerSpec.of(optimizer, model)
@@ -209,6 +210,25 @@ def prepare(
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
     return engine
+
+
+def check_float32(model: nn.Module) -> None:
+    """accel trains a float32 model, in the precision `amp=` asks for; a model given in another
+    floating dtype is refused in one line on every backend alike, rather than cast (eager's
+    and xla's steps would cast it to the AMP level's dtype, jax cannot take it)."""
+    found = next(
+        ((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point()
+         and p.dtype != torch.float32),
+        None,
+    )  # fmt: skip
+    if found is None:
+        return
+    name, dtype = found
+    raise AccelError(
+        f"{type(model).__name__}'s parameters are {dtype} ({name}): give prepare the float32 "
+        "model (model.float()) and choose the precision with amp= ('O1' autocast, 'O2' "
+        "bfloat16 weights with float32 masters, 'O3' all in bfloat16)"
+    )
 
 
 DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)

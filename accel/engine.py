@@ -144,6 +144,12 @@ class Engine:
         return self.runner.local_replicas
 
     @property
+    def devices(self) -> int:
+        """Devices the step runs on, over every process: data replicas x tensor-parallel ranks
+        x pipeline stages (what MFU divides by)."""
+        return self.ctx.world_size * self.runner.step_devices
+
+    @property
     def replicas(self) -> int:
         """How many parts the global batch is split into: processes or devices."""
         return self.data_ranks * self.local_devices
@@ -292,7 +298,7 @@ class Engine:
             return {}
         reading, self.reading = self.reading, True
         try:
-            return {n: t.dtype for n, t in model.state_dict().items()}
+            return {n: t.dtype for n, t in model.state_dict(keep_vars=True).items()}
         finally:
             self.reading = reading
 

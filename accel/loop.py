@@ -17,7 +17,7 @@ from accel.backends.base import (
     RecompileError,
     StepResult,
 )
-from accel.backends.host_reads import user_frame
+from accel.backends.host_reads import quoted_error, quoted_frames, user_frame
 from accel.config import (
     AccelError,
     ConfigError,
@@ -139,31 +139,44 @@ def user_errors(where: str) -> Iterator[None]:
     except (ConfigError, BackendUnavailable, RecompileError):
         raise  # already one line (or the launcher's own exit)
     except Exception as err:
-        frame = user_frame(traceback.extract_tb(err.__traceback__))
+        message = str(err)
+        # torch.compile's errors quote the user's frames it traced rather than run them.
+        frame = user_frame(traceback.extract_tb(err.__traceback__)) or user_frame(
+            quoted_frames(message)
+        )
         if frame is None:
             raise
-        detail = next((line.strip() for line in str(err).splitlines() if line.strip()), "")
+        detail = next((line.strip() for line in message.splitlines() if line.strip()), "")
+        kind, detail = quoted_error(detail) or (type(err).__name__, detail)
         raise AccelError(
-            f"{type(err).__name__} in the {where} at {frame.filename}:{frame.lineno} "
+            f"{kind} in the {where} at {frame.filename}:{frame.lineno} "
             f"({(frame.line or '').strip()}): {detail[:300]}"
         ) from None
 
 
 class SkipWatch:
-    """Steps whose update was skipped (a non-finite loss or gradient): none applied of the first
-    LIMIT is an error; LIMIT in a row later is said once."""
+    """Steps whose update was skipped (a non-finite loss or gradient): the first is said at once
+    (the step it was), none applied of the first LIMIT is an error, and LIMIT in a row later
+    are said once."""
 
     LIMIT = 10
 
     def __init__(self) -> None:
         self.seen = self.in_row = 0
-        self.applied = self.said = False
+        self.applied = self.said_first = self.said = False
 
     def watch(self, results: Sequence[StepResult], main: bool) -> None:
         for result in results:
             self.seen += 1
             self.applied |= result.applied
             self.in_row = 0 if result.applied else self.in_row + 1
+            if not result.applied and not self.said_first and main:
+                self.said_first = True
+                say(
+                    f"step {self.seen} skipped its update: its loss or gradients were not "
+                    "finite (StepResult.applied is False; a NaN from a square root or a "
+                    "division at 0, or a learning rate too high)"
+                )
         if not self.applied and self.seen >= self.LIMIT:
             raise AccelError(
                 f"none of the first {self.seen} steps applied its update: the loss or the "

@@ -156,7 +156,8 @@ class BackendStats:
 @runtime_checkable
 class Backend(Protocol):
     name: str
-    local_replicas: int  # devices one process drives (jax: its local devices; others: 1)
+    local_replicas: int  # data replicas one process feeds (xla, jax: its mesh's data axis)
+    step_devices: int  # devices this process's step runs on (xla, jax: the mesh; others: 1)
     pin_memory: bool  # whether the loader should hand over batches in pinned host memory
     data_parallel: tuple[int, int]  # (rank, ranks) the data is split over
     sharded_checkpoint: bool  # every rank writes its own part (DCP), or one file from rank 0

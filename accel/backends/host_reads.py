@@ -6,6 +6,7 @@ jax it cannot be traced at all. The public API refuses it in one line that names
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
 from pathlib import Path
 from typing import cast
@@ -34,6 +35,28 @@ def user_frame(frames: list[traceback.FrameSummary]) -> traceback.FrameSummary |
             continue
         return frame
     return None
+
+
+# A compiler's error that quotes the code it traced ("from user code:", torch.compile's): the
+# frames it lists, and the error it got while running an op on its fake tensors.
+QUOTED_FRAME = re.compile(
+    r'File "(?P<file>[^"]+)", line (?P<line>\d+), in (?P<name>\S+)\n\s*(?P<code>.*)'
+)
+QUOTED_ERROR = re.compile(r"got (?P<kind>\w+)\((?P<quote>['\"])(?P<message>.*?)(?P=quote)?\)?$")
+
+
+def quoted_frames(message: str) -> list[traceback.FrameSummary]:
+    """The frames of the traced code an error message quotes, outermost first."""
+    return [
+        traceback.FrameSummary(m["file"], int(m["line"]), m["name"], line=m["code"])
+        for m in QUOTED_FRAME.finditer(message)
+    ]
+
+
+def quoted_error(line: str) -> tuple[str, str] | None:
+    """(kind, message) of the error a compiler's message says an op got, where it says one."""
+    found = QUOTED_ERROR.search(line)
+    return (found["kind"], found["message"]) if found else None
 
 
 def describe(frames: list[traceback.FrameSummary]) -> str:

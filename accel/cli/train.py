@@ -391,13 +391,13 @@ def final_summary(t: Trainer, end: float) -> dict[str, Any]:
     cfg, timer, state = t.cfg, t.timer, t.state
     steady_s = end - timer.warm_t - timer.eval_s
     ips = steady_images_per_sec(t.global_batch, state.step - timer.warm_step, steady_s)
-    replicas = t.ctx.world_size * t.engine.local_devices
-    mfu = utilisation(ips, t.flops_per_image, cfg.peak_tflops, replicas)
+    devices = t.engine.devices  # tensor-parallel and pipeline ranks too: what MFU divides by
+    mfu = utilisation(ips, t.flops_per_image, cfg.peak_tflops, devices)
     summary = RunSummary(
         backend=t.engine.backend,
         model=cfg.model.name,
         run_dir=str(cfg.run_dir()),
-        world_size=replicas,
+        world_size=devices,
         amp_level=cfg.amp_level,
         global_batch_size=t.global_batch,
         steps=state.step,

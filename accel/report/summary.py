@@ -23,7 +23,7 @@ class RunSummary:
     backend: str = ""
     model: str = ""
     run_dir: str = ""
-    world_size: int = 1  # replicas: processes times the devices each drives
+    world_size: int = 1  # devices the step ran on: data replicas x tensor x pipeline ranks
     amp_level: str = "O0"
     global_batch_size: int = 0
     steps: int = 0

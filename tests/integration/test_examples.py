@@ -198,3 +198,29 @@ def test_the_readme_counts_the_classic_loops_edit_right():
     assert removed + added <= 25
     sentence = f"{removed} lines removed and {added} added in a {len(before)}-line script"
     assert sentence in (ROOT / "README.md").read_text().replace("\n", " ")
+
+
+def test_a_hugging_face_model_trains_alike_and_saves_pretrained_on_every_backend(tmp_path):
+    """docs/api.md's commands: the model's own loss, the same losses on each backend, and
+    save_pretrained writing the trained weights (read back by from_pretrained)."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    commands = documented("python examples/hugging_face.py")
+    if not HAS_XLA:
+        commands = [c for c in commands if "ACCEL_BACKEND=xla" not in c]
+    assert len(commands) >= 2, "the docs show hugging_face.py on two backends or more"
+    runs = [(c, run(c, tmp_path / str(i), in_process=True)) for i, c in enumerate(commands)]
+    (_, first), *others = runs
+    assert first["losses"][-1] < 0.75 * first["losses"][0]  # it learns
+    saved = {}
+    for command, found in runs:
+        out = tmp_path / str(commands.index(command)) / shlex.split(command)[-1] / "model"
+        model = transformers.ViTForImageClassification.from_pretrained(out)
+        saved[found["backend"]] = model.state_dict()
+    torch.manual_seed(0)
+    untrained = transformers.ViTForImageClassification(model.config).state_dict()
+    reference = saved[first["backend"]]
+    assert not torch.equal(reference["classifier.weight"], untrained["classifier.weight"])
+    for _, found in others:
+        assert found["losses"] == pytest.approx(first["losses"], rel=1e-4, abs=1e-5), found
+        for name, value in saved[found["backend"]].items():
+            assert value == pytest.approx(reference[name], rel=1e-3, abs=1e-4), name

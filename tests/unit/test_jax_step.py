@@ -44,7 +44,7 @@ def call(step, inputs, targets, w=None):
 def test_the_step_applies_plain_sgd_to_the_mean_gradient(step):
     inputs = jnp.array([[1.0, 0.0, 2.0], [0.0, 1.0, 1.0]])
     targets = jnp.array([1.0, -1.0])
-    params, _, _, count, result = call(step, inputs, targets)
+    params, _, _, count, _, result = call(step, inputs, targets)
     grad = 2 * inputs.T @ (inputs @ jnp.zeros(3) - targets) / 2  # d/dw of the mean square
     np.testing.assert_allclose(params["w"], -0.1 * grad, rtol=1e-6)
     assert float(result[0]) == pytest.approx(1.0) and float(result[1]) == 1.0
@@ -54,6 +54,45 @@ def test_the_step_applies_plain_sgd_to_the_mean_gradient(step):
 def test_a_non_finite_batch_leaves_the_weights_and_the_count(step):
     w = jnp.array([0.5, -0.5, 1.0])
     inputs = jnp.array([[jnp.inf, 0.0, 0.0], [0.0, 1.0, 1.0]])
-    params, _, _, count, result = call(step, inputs, jnp.zeros(2), w)
+    params, _, _, count, _, result = call(step, inputs, jnp.zeros(2), w)
     np.testing.assert_array_equal(params["w"], w)
     assert float(result[1]) == 0.0 and int(count) == 0
+
+
+def counting_loss(params, consts, batch, key):
+    """Writes a constant, as BatchNorm writes its running statistics: the rows it saw."""
+    inputs, targets = batch
+    loss = jnp.mean((inputs @ params["w"] - targets) ** 2)
+    return loss, jnp.zeros(0, jnp.float32), {"seen": consts["seen"] + inputs.shape[0]}
+
+
+def test_constants_the_loss_writes_carry_over_micro_steps_and_come_out():
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    step = jax.jit(make_train_step(counting_loss, sgd(), mesh))
+    params = {"w": jnp.zeros(3)}
+    batch = (jnp.ones((3, 2, 3)), jnp.zeros((3, 2)))  # three micro-steps of two rows
+    consts = {"seen": jnp.float32(1.0), "kept": jnp.arange(2)}
+    *_, written, _ = step(params, sgd().init(params), {}, jnp.int32(0), consts, batch,
+                          jnp.array([0.1]), jnp.float32(0))  # fmt: skip
+    assert float(written["seen"]) == 7.0  # 1 + 3 x 2, each micro-step after the one before
+    np.testing.assert_array_equal(written["kept"], jnp.arange(2))
+
+
+def test_weights_the_loss_does_not_read_are_left_as_they_were():
+    """As torch's AdamW leaves a parameter without a gradient: no decay, no moments."""
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.zeros(3))
+    model.v = torch.nn.Parameter(torch.ones(2))
+    adamw = torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5)
+    optimizer = OptaxGroups(OptimizerSpec.of(adamw, model))
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+    step = jax.jit(make_train_step(linear_loss, optimizer, mesh, unread=lambda: {"v"}))
+    params = {"w": jnp.ones(3), "v": jnp.ones(2)}
+    batch = (jnp.ones((1, 2, 3)), jnp.zeros((1, 2)))
+    new, state, *_ = step(params, optimizer.init(params), {}, jnp.int32(0), {}, batch,
+                          jnp.array([0.1]), jnp.float32(0))  # fmt: skip
+    np.testing.assert_array_equal(new["v"], jnp.ones(2))
+    assert not np.allclose(new["w"], jnp.ones(3))
+    moments = optimizer.named(state)
+    np.testing.assert_array_equal(moments["v"]["exp_avg"], jnp.zeros(2))
+    assert np.any(np.asarray(moments["w"]["exp_avg"]) != 0)

@@ -45,8 +45,9 @@ SUPPORTS = Supports(
 try:
     # The parts import jax and optax, not torchax (require() loads it: see runtime.py).
     from accel.backends.jax.backend import JaxBackend
+    from accel.backends.jax.ops import overridden
     from accel.backends.jax.runtime import join, load_torchax
-    from accel.backends.jax.tracing import attention_override
+    from accel.backends.jax.tracing import attention_lowerings
 
     IMPORT_ERROR: BaseException | None = None
 except Exception as err:  # reported by require() as one line: missing, or not for this torch
@@ -89,9 +90,10 @@ __all__ = [
     "INSTALL",
     "SUPPORTS",
     "JaxBackend",
-    "attention_override",
+    "attention_lowerings",
     "build",
     "context",
     "load_torchax",
+    "overridden",
     "require",
 ]

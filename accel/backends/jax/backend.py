@@ -9,7 +9,6 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import torch
 
 import accel.backends.jax.runtime as runtime
@@ -61,6 +60,7 @@ class JaxBackend:
         self.runtime = Runtime(cfg, ctx)
         self.data_parallel = self.runtime.data_parallel
         self.local_replicas = self.runtime.local_replicas
+        self.step_devices = cfg.mesh.devices  # this process's, tensor-parallel ones included
         with quiet_imports(), removed_ops():  # torchax registers its ops here
             self.env = runtime.torchax.default_env()
         on_gpu = jax.default_backend() == "gpu"
@@ -99,7 +99,10 @@ class JaxBackend:
         return self.runtime.device_batches(batches)
 
     def split(self, batch: tuple, parts: int) -> list[tuple]:
-        return split_batch(self.runtime.arrays(batch), parts)
+        """Host tensors are cut on the host (sent once stacked, by `stacked`); a batch on the
+        devices is cut there."""
+        on_host = self.runtime.on_host(batch)
+        return split_batch(batch if on_host else self.runtime.arrays(batch), parts)
 
     def train_step(
         self, micro_batches: list[tuple], lr: float | list[float], ema_decay: float = 0.0
@@ -112,8 +115,7 @@ class JaxBackend:
 
     def stacked(self, micro_batches: list[tuple]) -> tuple:
         """The micro-batches as the step takes them: each tensor [micro-steps, batch, ...]."""
-        arrays = [self.runtime.arrays(b) for b in micro_batches]
-        return tuple(jnp.stack(parts) for parts in zip(*arrays, strict=True))
+        return self.runtime.stacked(micro_batches)
 
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         return self.step.fetch_results(handles)

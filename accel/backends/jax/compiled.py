@@ -77,15 +77,15 @@ class CompiledStep:
         self.extra_keys: list[str] = []
         self.fn = self._jit()
 
-    def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> tuple[jax.Array, jax.Array]:
-        """The loss, and the loss function's extras as one fp32 vector (their names kept, in
-        order, while tracing)."""
-        out = self.tracer.run_torch(self.loss_fn, params, buffers, batch, key)
+    def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> tuple:
+        """The loss, the loss function's extras as one fp32 vector (their names kept, in
+        order, while tracing) and the buffers the model wrote (BatchNorm's statistics)."""
+        out, written = self.tracer.run_torch(self.loss_fn, params, buffers, batch, key)
         loss, extras = split_loss(out)
         self.extra_keys = list(extras)
         values = [jnp.asarray(v, jnp.float32) for v in extras.values()]
         vector = jnp.stack(values) if values else jnp.zeros(0, jnp.float32)
-        return loss.astype(jnp.float32), vector
+        return loss.astype(jnp.float32), vector, written
 
     def _jit(self):
         layout, replicated = self.state.layout, self.runtime.replicated
@@ -98,12 +98,10 @@ class CompiledStep:
             remat=self.cfg.step.remat,
             grad_shardings=layout.grads,
             weight_shardings=layout.weights,
+            unread=lambda: self.tracer.unread,
         )
-        return jax.jit(
-            step,
-            donate_argnums=(0, 1, 2, 3),
-            out_shardings=(layout.params, layout.opt, layout.ema, replicated, replicated),
-        )
+        outs = (layout.params, layout.opt, layout.ema, replicated, replicated, replicated)
+        return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4), out_shardings=outs)
 
     def arguments(self, batch: tuple, lr: float | list[float], ema_decay: float) -> tuple:
         """What `fn` takes: the state, the batch ([micro-steps, batch, ...] arrays, or their
@@ -160,7 +158,7 @@ class Evaluation:
                 found = metric_fn(model, batch)
                 return {k: tracer.env.to_xla(torch.as_tensor(v)) for k, v in found.items()}
 
-            fn = jax.jit(lambda p, c, *b: tracer.run_torch(sums, p, c, b))
+            fn = jax.jit(lambda p, c, *b: tracer.run_torch(sums, p, c, b)[0])
             self.programs[metric_fn] = fn
         totals: dict | None = None
         with self.tracer.tracing():
@@ -175,7 +173,8 @@ class Evaluation:
         fn = self.programs.get("forward")
         if fn is None:
             tracer = self.tracer
-            fn = jax.jit(lambda p, c, *b: tracer.run_torch(lambda model, x: model(*x), p, c, b))
+            forward = lambda model, x: model(*x)  # noqa: E731
+            fn = jax.jit(lambda p, c, *b: tracer.run_torch(forward, p, c, b)[0])
             self.programs["forward"] = fn
         with self.tracer.tracing():
             out = fn(self.state.params, self.state.buffers, *self.runtime.arrays(inputs))

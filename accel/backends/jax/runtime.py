@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, cast
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import Mesh, NamedSharding
@@ -159,6 +160,7 @@ class Runtime:
         self.local_replicas = cfg.mesh.devices // self.dims.tp
         self.replicated = NamedSharding(self.mesh, P())
         self.batch_sharding = NamedSharding(self.mesh, P("data"))
+        self.micro_sharding = NamedSharding(self.mesh, P(None, "data"))  # [micro-steps, batch]
         self.shard = effective_shard(cfg.mesh.shard, self.dims.dp)
         if self.shard != "none" and jax.process_count() > 1:
             raise ConfigError("shard= on jax shards over one process's devices, not across hosts")
@@ -169,6 +171,21 @@ class Runtime:
         prefetched = DevicePrefetcher(batches, self.put, self.prefetch)
         return (tuple(interop.torch_view(a) for a in arrays) for arrays in prefetched)
 
+    @staticmethod
+    def on_host(batch: tuple) -> bool:
+        """Whether every tensor of `batch` is a host tensor (a CPU torch tensor)."""
+        return all(isinstance(t, torch.Tensor) and t.device.type == "cpu" for t in batch)
+
+    def stacked(self, micro_batches: list[tuple]) -> tuple:
+        """Micro-batches as one array a tensor, [micro-steps, batch, ...], split over the data
+        devices along the batch: host ones stacked on the host and sent once, each device
+        receiving its rows of every micro-step; batches on the devices stacked there."""
+        if all(self.on_host(b) for b in micro_batches):
+            parts = zip(*micro_batches, strict=True)
+            return self.put(tuple(torch.stack(p) for p in parts), self.micro_sharding)
+        arrays = [self.arrays(b) for b in micro_batches]
+        return tuple(jnp.stack(parts) for parts in zip(*arrays, strict=True))
+
     def arrays(self, batch: tuple) -> tuple:
         """A batch as the devices' arrays: torchax's views unwrapped, host tensors put there."""
         if all(isinstance(t, torch.Tensor) and t.device.type == "jax" for t in batch):
@@ -177,13 +194,14 @@ class Runtime:
             return batch
         return self.put(tuple(t.cpu() if isinstance(t, torch.Tensor) else t for t in batch))
 
-    def put(self, batch: Batch) -> tuple:
+    def put(self, batch: Batch, sharding: NamedSharding | None = None) -> tuple:
+        """Host tensors onto the devices, split by `sharding` (default: along their first
+        axis over the data devices); each device receives its part."""
+        sharding = sharding or self.batch_sharding
         arrays = tuple(from_torch(t) for t in batch)
         if jax.process_count() > 1:
-            return tuple(
-                jax.make_array_from_process_local_data(self.batch_sharding, a) for a in arrays
-            )
-        return tuple(jax.device_put(a, self.batch_sharding) for a in arrays)
+            return tuple(jax.make_array_from_process_local_data(sharding, a) for a in arrays)
+        return tuple(jax.device_put(a, sharding) for a in arrays)
 
     def any_rank(self, flag: bool) -> bool:
         if jax.process_count() == 1:

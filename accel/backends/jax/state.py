@@ -12,11 +12,13 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accel.backends.as_eager import running_stat_names
 from accel.backends.jax.optimizer import OptaxGroups
 from accel.backends.jax.runtime import Runtime
 from accel.backends.jax.values import Precision, host_value, to_jax, to_torch
 from accel.config import BackendConfig
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+from accel.ties import tied_names
 
 
 def device_bytes(tree: Any) -> int:
@@ -118,13 +120,20 @@ class TrainState:
         # Its tensors' names and dtypes (fp32 weights, int64 indices; JAX keeps int32), read
         # once: the Engine keeps the user's model current when its state_dict() is read.
         self.state_dtypes = {k: t.dtype for k, t in model.state_dict().items()}
+        # A tensor held under two names (tied weights) is one array, under its first name.
+        self.aliases = tied_names(model)
         trained = {n for g in optimizer.spec.groups for n in g.names}
         store = precision.store
         params = {n: to_jax(p, store) for n, p in model.named_parameters() if n in trained}
-        # Everything else the model holds (buffers, frozen weights) goes in as constants.
-        consts = {n: to_jax(t, store) for n, t in model.state_dict(keep_vars=True).items()}
-        consts.update({n: to_jax(b, store) for n, b in model.named_buffers()})
-        consts = {n: v for n, v in consts.items() if n not in trained}
+        # Everything else the model holds (buffers, frozen weights) goes in as constants,
+        # running statistics in fp32 whatever the weights are stored in (as eager keeps them).
+        full = running_stat_names(model)
+        held = {**model.state_dict(keep_vars=True), **dict(model.named_buffers())}
+        consts = {
+            n: to_jax(t, None if n in full else store)
+            for n, t in held.items()
+            if n not in trained and n not in self.aliases
+        }
         self.param_names = [n for n, _ in model.named_parameters() if n in trained]
         state_shapes = jax.eval_shape(optimizer.init, params)
         self.layout = Layout(runtime, model, params, cfg, state_shapes)
@@ -142,8 +151,12 @@ class TrainState:
         """What the compiled step takes first: (params, opt_state, ema, count, buffers)."""
         return (self.params, self.opt_state, self.ema, self.count, self.buffers)
 
-    def update(self, params: dict, opt_state: Any, ema: dict, count: jax.Array) -> None:
+    def update(
+        self, params: dict, opt_state: Any, ema: dict, count: jax.Array, buffers: dict
+    ) -> None:
+        """The step's new state (the buffers as the forward wrote them: running statistics)."""
         self.params, self.opt_state, self.ema, self.count = params, opt_state, ema, count
+        self.buffers = buffers
 
     def ema_from(self, params: dict) -> dict:
         """An fp32 copy of `params` (its own buffers: the step donates both)."""
@@ -166,7 +179,10 @@ class TrainState:
     # --- by the torch model's parameter names, as the torch backends keep them ---------------
     def checkpoint_state(self) -> dict[str, Any]:
         values = {**self.buffers, **self.params}
-        model = {k: to_torch(values[k]).to(dtype) for k, dtype in self.state_dtypes.items()}
+        model = {
+            k: to_torch(values[self.aliases.get(k, k)]).to(dtype)
+            for k, dtype in self.state_dtypes.items()
+        }
         out = {"model": model, "optim": self.optimizer.to_torch(self.opt_state)}
         if self.ema:
             out["ema"] = {n: to_torch(self.ema[n]).float() for n in self.param_names}
@@ -174,8 +190,9 @@ class TrainState:
 
     def live_state(self) -> dict[str, Any]:
         """checkpoint_state's structure in the arrays themselves, with their shardings."""
+        values = {**self.buffers, **self.params}
         out = {
-            "model": {**self.buffers, **self.params},
+            "model": {k: values[self.aliases.get(k, k)] for k in self.state_dtypes},
             "optim": self.optimizer.named(self.opt_state),
         }
         if self.ema:
@@ -186,6 +203,9 @@ class TrainState:
         store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}
         self.params = jax.device_put(params, self.layout.params)
+        # The constants too: running statistics and frozen weights, each in its own dtype.
+        buffers = {n: to_jax(state["model"][n], old.dtype) for n, old in self.buffers.items()}
+        self.buffers = jax.device_put(buffers, self.replicated)
         if self.ema:  # a checkpoint without an EMA starts it from its weights
             ema = state.get("ema", state["model"])
             self.ema = self.ema_from({n: to_jax(ema[n]) for n in self.param_names})

@@ -4,7 +4,7 @@ non-finite step skipped."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import jax
@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 
 from accel.backends.jax.optimizer import OptaxGroups
 
-# (params, consts, batch, key) -> (loss, extras vector)
+# (params, consts, batch, key) -> loss, (loss, extras vector) or (loss, extras, consts written)
 LossFnJax = Callable[[dict, dict, tuple, Any], Any]
 TrainStep = Callable[..., tuple]
 
@@ -30,14 +30,22 @@ def make_train_step(
     remat: bool = False,
     grad_shardings: Any = None,
     weight_shardings: Any = None,
+    unread: Callable[[], Collection[str]] = frozenset,
 ) -> TrainStep:
     """The whole optimizer step as one pure function (what torchax's make_train_step builds):
 
         (params, opt_state, ema, count, consts, batch, lrs, ema_decay)
-            -> (params, opt_state, ema, count, [mean loss, 1.0 if applied else 0.0, *extras])
+            -> (params, opt_state, ema, count, consts,
+                [mean loss, 1.0 if applied else 0.0, *extras])
 
     `loss_fn` returns the loss, or (loss, extras): a scalar and a vector of the loss
-    function's extras, averaged over micro-steps and devices as the loss is.
+    function's extras, averaged over micro-steps and devices as the loss is; or (loss, extras,
+    written): the constants the forward wrote ({name: array}: BatchNorm's running statistics),
+    carried from one micro-step to the next as eager's forwards write them, their mean over the
+    devices kept (each device's batch updates them), whether or not the update is applied (as
+    eager's forward wrote them before the update was skipped). `unread()`, asked once the loss
+    is traced: the weights the loss did not read, left as they are by the update (no weight
+    decay, no moments), as torch's optimizers leave a parameter without a gradient.
 
     `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `data` axis; each
     device takes its part's gradients, then the explicit mean over the devices (shard_map +
@@ -51,9 +59,13 @@ def make_train_step(
     gradients are computed."""
     base_key = jax.random.key(seed)
 
-    def with_extras(*args):  # a loss alone, or (loss, extras vector)
+    written_names: set[str] = set()  # the constants the loss writes, known once traced
+
+    def with_extras(*args):  # (loss, (extras vector, constants written))
         out = given(*args)
-        return out if isinstance(out, tuple) else (out, jnp.zeros(0, jnp.float32))
+        loss, extras, written = (*out, {})[:3] if isinstance(out, tuple) else (out, None, {})
+        written_names.update(written)
+        return loss, (jnp.zeros(0, jnp.float32) if extras is None else extras, written)
 
     given, loss_fn = loss_fn, with_extras
     if remat:  # keep the layers' matmul outputs, recompute the rest (attention too)
@@ -61,29 +73,39 @@ def make_train_step(
         loss_fn = jax.checkpoint(loss_fn, policy=policy)
 
     def mean_grads(params, consts, batch, key, constrain):
-        """The loss, extras and gradients of `batch`, each averaged over its micro-steps."""
+        """The loss, extras and gradients of `batch`, each averaged over its micro-steps, and
+        the constants as the micro-steps' forwards left them."""
 
         def micro_step(carry, micro):
+            loss_sum, grads_sum, consts = carry
             part, index = micro
             key_i = jax.random.fold_in(key, index)
             value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-            (loss, extras), grads = value_and_grad(params, consts, part, key_i)
-            loss, grads = jax.tree.map(jnp.add, carry, (loss, grads))
-            return (loss, constrain(grads)), extras  # extras stacked by scan
+            (loss, (extras, written)), grads = value_and_grad(params, consts, part, key_i)
+            loss, grads = jax.tree.map(jnp.add, (loss_sum, grads_sum), (loss, grads))
+            return (loss, constrain(grads), {**consts, **written}), extras  # extras stacked
 
         zeros = (jnp.zeros((), jnp.float32), constrain(jax.tree.map(jnp.zeros_like, params)))
         steps = batch[0].shape[0]
-        (loss, grads), extras = jax.lax.scan(micro_step, zeros, (batch, jnp.arange(steps)))
+        micro = (batch, jnp.arange(steps))
+        (loss, grads, consts), extras = jax.lax.scan(micro_step, (*zeros, consts), micro)
         loss, grads = jax.tree.map(lambda x: x / steps, (loss, grads))
-        return loss, extras.mean(axis=0), grads
+        return loss, extras.mean(axis=0), grads, consts
 
     def local_grads(params, consts, batch, count):
         # Random draws differ per step, device and micro-step, and follow from the seed and the
         # count alone (saved as the backend's random state).
         key = jax.random.fold_in(jax.random.fold_in(base_key, count), jax.lax.axis_index("data"))
-        out = mean_grads(params, consts, batch, key, lambda grads: grads)
-        # The explicit all-reduce: every device ends with the mean gradient of the global batch.
-        return jax.lax.pmean(out, "data")
+        loss, extras, grads, consts = mean_grads(params, consts, batch, key, lambda g: g)
+        # The explicit all-reduce: every device ends with the mean gradient of the global batch,
+        # and the mean of the statistics each device's forward wrote.
+        written = {
+            n: jax.lax.pmean(v, "data") if jnp.issubdtype(v.dtype, jnp.floating) else v
+            for n, v in consts.items()
+            if n in written_names
+        }
+        loss, extras, grads = jax.lax.pmean((loss, extras, grads), "data")
+        return loss, extras, grads, {**consts, **written}
 
     def partitioned_grads(params, consts, batch, count):
         # One program over the global batch: the weights' shardings and the batch's decide each
@@ -114,16 +136,19 @@ def make_train_step(
             mesh=mesh,
             check_vma=False,
             in_specs=(rep, rep, P(None, "data"), rep),  # every array of the batch split
-            out_specs=(rep, rep, rep),
+            out_specs=(rep, rep, rep, rep),
         )
     )
 
     def step(params, opt_state, ema, count, consts, batch, lrs, ema_decay):
-        loss, extras, grads = grads_fn(params, consts, batch, count)
+        loss, extras, grads, consts = grads_fn(params, consts, batch, count)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grads, norm = torch_clip(grads, clip_grad)
         new_params, new_state = optimizer.update(grads, opt_state, params, lrs)
+        left = set(unread())  # asked now: the loss was traced above
+        if left:
+            new_params, new_state = keep_named(left, (new_params, new_state), (params, opt_state))
         new_ema = {
             n: e + (new_params[n].astype(jnp.float32) - e) * (1.0 - ema_decay)
             for n, e in ema.items()
@@ -138,9 +163,20 @@ def make_train_step(
         )
         count = count + finite.astype(jnp.int32)
         head = jnp.stack([loss, finite.astype(jnp.float32)])
-        return params, opt_state, ema, count, jnp.concatenate([head, extras])
+        return params, opt_state, ema, count, consts, jnp.concatenate([head, extras])
 
     return step
+
+
+def keep_named(names: Collection[str], new: Any, old: Any) -> Any:
+    """`new`, except where a leaf sits under one of `names` as a dict key (the weights, and
+    optax's moments, which it keys as the weights): there `old`'s."""
+
+    def pick(path: tuple, new_leaf, old_leaf):
+        keyed = {p.key for p in path if isinstance(p, jax.tree_util.DictKey)}
+        return old_leaf if keyed & set(names) else new_leaf
+
+    return jax.tree_util.tree_map_with_path(pick, new, old)
 
 
 def torch_clip(grads: dict, max_norm: float) -> tuple[dict, jax.Array]:

@@ -11,12 +11,15 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import torch
+from torch.overrides import TorchFunctionMode
 
 import accel.backends.jax.runtime as runtime
 from accel.amp import AmpPolicy
+from accel.backends.as_eager import AsEager, modes_kept, running_stat_names
 from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
+from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
 from accel.backends.jax.values import Precision, cast_floating
 
 
@@ -42,78 +45,140 @@ def torch_sdpa(kernels: AttentionKernels) -> Callable:
     return sdpa
 
 
-@contextlib.contextmanager
-def attention_override(env, sdpa: Callable):
-    """Route torch's SDPA to `sdpa` while tracing, then restore torchax's own."""
+def attention_lowerings(sdpa: Callable) -> dict[Any, Callable]:
+    """torch's SDPA, the function and the op, routed to `sdpa` (ops.overridden's table)."""
     ops = (
         torch.nn.functional.scaled_dot_product_attention,
         torch.ops.aten.scaled_dot_product_attention,
     )
-    saved = {op: env._ops.get(op) for op in ops}
-    for op in ops:
-        # What env.override_op_definition does; torchax 0.0.13's version omits is_view_op.
-        env._ops[op] = runtime.ops_registry.Operator(
-            op, sdpa, is_jax_function=False, is_user_defined=True, needs_env=False, is_view_op=False
-        )
-    try:
-        yield
-    finally:
-        env._ops.update(saved)
+    return dict.fromkeys(ops, sdpa)
 
 
 class Objective(torch.nn.Module):
     """fn(model, batch) as a module whose one submodule is the model, so that
-    torch.func.functional_call runs the user's loss (or metrics) with the weights it is given."""
+    torch.func.functional_call runs the user's loss (or metrics) with the weights it is given;
+    `reads`, where set, records which weights the loss hands to torch."""
 
     def __init__(self, model: torch.nn.Module, fn: Callable):
         super().__init__()
         self.model, self.fn = model, fn
+        self.reads: ParameterReads | None = None
 
     def forward(self, *batch: torch.Tensor) -> Any:
-        return self.fn(self.model, batch)
+        with self.reads or contextlib.nullcontext():
+            return self.fn(self.model, batch)
+
+
+# Tensor members that read a weight's metadata, not its values: no gradient flows through them.
+METADATA = {"__get__", "size", "dim", "numel", "__len__", "ndimension", "nelement"}
+
+
+class ParameterReads(TorchFunctionMode):
+    """Which of the weights `params` ({name: tensor}) the traced code hands to a torch
+    function. A weight handed to none has no gradient in torch, whose optimizers then leave it
+    as it is (no weight decay, no moments): the jax step does the same for `unread`."""
+
+    def __init__(self, params: dict[str, torch.Tensor]):
+        super().__init__()
+        self.names = {id(t): n for n, t in params.items()}
+        self.read: set[str] = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", "") not in METADATA:
+            for value in leaves((args, kwargs)):
+                name = self.names.get(id(value))
+                if name is not None:
+                    self.read.add(name)
+        return func(*args, **kwargs)
+
+    @property
+    def unread(self) -> set[str]:
+        return set(self.names.values()) - self.read
+
+
+def leaves(value: Any) -> Iterator[Any]:
+    """The values inside tuples, lists and dicts (a torch function's arguments)."""
+    if isinstance(value, tuple | list):
+        for item in value:
+            yield from leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from leaves(item)
+    else:
+        yield value
 
 
 class Tracer:
-    """fn(model, batch) run by torchax on JAX values: the torch module is traced, never run."""
+    """fn(model, batch) run by torchax on JAX values: the torch module is traced, never run.
+    A traced training loss gives back the constants the model wrote (BatchNorm's running
+    statistics) and leaves in `unread` the weights it did not read."""
 
     def __init__(self, model: torch.nn.Module, env: Any, sdpa: Callable, amp: AmpPolicy):
         self.module, self.env, self.sdpa, self.amp = model, env, sdpa, amp
         self.precision = Precision.of(amp)
-        inner = getattr(model, "model", model)  # a timm model behind accel's normalisation
         self.model_label = (
-            getattr(inner, "default_cfg", {}).get("architecture") or type(inner).__name__
+            getattr(model, "default_cfg", {}).get("architecture") or type(model).__name__
         )
+        # Running statistics stay in fp32 under O1/O2, as eager keeps them beside autocast.
+        self.full_precision = running_stat_names(model)
         self.objectives: dict[Any, Callable] = {}  # by loss, metric or 'forward'
+        self.unread: set[str] = set()  # weights the last traced training loss did not read
 
     def objective(self, fn: Callable) -> Callable:
-        """fn(model, batch) as a JAX function of (weights, constants, *batch)."""
+        """fn(model, batch) as a JAX function of (weights, constants, *batch), returning fn's
+        result and the constants the forward wrote, by name."""
         if fn not in self.objectives:
             wrapped = Objective(self.module, fn)
 
             def call(params: dict, consts: dict, *batch: torch.Tensor) -> Any:
                 weights = {f"model.{n}": v for n, v in {**consts, **params}.items()}
-                return torch.func.functional_call(wrapped, weights, batch)
+                before = {n: runtime.interop.jax_view(v) for n, v in consts.items()}
+                wrapped.reads = ParameterReads(params)
+                out = torch.func.functional_call(wrapped, weights, batch)
+                self.unread = wrapped.reads.unread
+                # torchax writes in place by giving the tensor a new array
+                written = {
+                    n: weights[f"model.{n}"]
+                    for n in consts
+                    if runtime.interop.jax_view(weights[f"model.{n}"]) is not before[n]
+                }
+                return out, written
 
             self.objectives[fn] = runtime.interop.jax_view(call)
         return self.objectives[fn]
 
-    def run_torch(self, fn: Callable, params: dict, consts: dict, batch: tuple, key=None) -> Any:
-        """fn(model, batch) traced through torchax with the model's weights `params`. Train mode
-        when a PRNG key is given: stochastic depth and dropout draw from it."""
+    def run_torch(
+        self, fn: Callable, params: dict, consts: dict, batch: tuple, key=None
+    ) -> tuple[Any, dict]:
+        """fn(model, batch) traced through torchax with the model's weights `params`, and the
+        constants the model wrote (in the dtypes they are kept in). A PRNG key: the model's
+        own train/eval modes as eager would run them, stochastic depth and dropout drawing
+        from the key; without one, eval mode. Either way the model's modes are left as they
+        were, and tensors the model makes (torch.ones(4)) are made on the devices."""
+        kept = consts
         if self.amp.autocast:  # O1/O2: compute in bf16 from the fp32 master weights
-            params, consts = cast_floating((params, consts), self.precision.compute)
-        self.module.train(key is not None)  # read while tracing
+            params = cast_floating(params, self.precision.compute)
+            consts = {
+                n: v if n in self.full_precision else cast_floating(v, self.precision.compute)
+                for n, v in consts.items()
+            }
         randomness = (
             contextlib.nullcontext() if key is None else self.env.override_property(prng=key)
         )
-        with self.env, randomness:
-            return self.objective(fn)(params, consts, *batch)
+        with modes_kept(self.module):
+            if key is None:
+                self.module.eval()  # read while tracing
+            with self.env, randomness, torch.device("jax"), AsEager():
+                out, written = self.objective(fn)(params, consts, *batch)
+        return out, {n: v.astype(kept[n].dtype) for n, v in written.items()}
 
     @contextlib.contextmanager
     def tracing(self) -> Iterator[None]:
         """Around a call that may trace: torch's attention on the backend's kernels, and what
         torchax cannot trace in one line (lowering_errors)."""
-        with attention_override(self.env, self.sdpa), self.lowering_errors():
+        lowerings = {**attention_lowerings(self.sdpa), **EAGER_LOWERINGS}
+        with overridden(self.env, lowerings), self.lowering_errors():
             yield
 
     @contextlib.contextmanager

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from accel.amp import AmpPolicy
+from accel.backends.as_eager import modes_kept
 from accel.backends.base import split_loss
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
@@ -339,17 +340,18 @@ def metric_sums(
 ) -> tuple[list[str], torch.Tensor]:
     """The names and the summed values of `metric_fn(forward, batch)` over `batches`, on the
     device and not yet reduced over ranks, `module` in eval mode meanwhile. A value made on the
-    host (a count, `len(y)`) joins the device's. `after_batch`: xla's graph cut per batch."""
-    module.eval()
+    host (a count, `len(y)`) joins the device's. `after_batch`: xla's graph cut per batch. The
+    module's modes are left as they were (each submodule's)."""
     totals: dict[str, torch.Tensor] = {}
-    for batch in batches:
-        batch = tuple(t.to(device) for t in batch)
-        with autocast():
-            sums = metric_fn(forward, batch)
-        sums = {k: torch.as_tensor(v, device=device).detach().float() for k, v in sums.items()}
-        totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
-        after_batch()
-    module.train()
+    with modes_kept(module):
+        module.eval()
+        for batch in batches:
+            batch = tuple(t.to(device) for t in batch)
+            with autocast():
+                sums = metric_fn(forward, batch)
+            sums = {k: torch.as_tensor(v, device=device).detach().float() for k, v in sums.items()}
+            totals = {k: totals.get(k, 0) + v for k, v in sums.items()}
+            after_batch()
     keys = sorted(totals)
     return keys, torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0, device=device)
 

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.amp import amp_policy
+from accel.backends.as_eager import modes_kept
 from accel.backends.base import (
     BackendStats,
     BackendUnavailable,
@@ -130,7 +131,8 @@ def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Ba
 
 
 class EagerBackend:
-    local_replicas = 1  # devices this process drives
+    local_replicas = 1  # data replicas this process feeds
+    step_devices = 1  # devices this process's step runs on
     trains_in_place = True
     threaded = False
     explain_compiles = "TORCH_LOGS=recompiles prints the cause of each compile"
@@ -203,12 +205,10 @@ class EagerBackend:
     @torch.no_grad()
     def forward(self, inputs: tuple) -> Any:
         module = self.layout.inference()
-        module.eval()
-        try:
+        with modes_kept(module):
+            module.eval()
             with self.core.autocast(cache=self.layout.autocast_cache):
                 return module(*(t.to(self.device) for t in inputs))
-        finally:
-            module.train()
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False

@@ -62,6 +62,7 @@ class XlaBackend:
         self.device = self.devices.device
         self.data_parallel = (ctx.rank, ctx.world_size)
         self.local_replicas = self.devices.replicas  # the devices the global batch splits over
+        self.step_devices = self.devices.count  # the mesh's, tensor-parallel ones included
         self.optim = XlaOptimizer(cfg.step.kernel_opt, self.amp)
         guard, extra = self.optim.guard, self.optim.extra_state
         self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)

@@ -17,6 +17,31 @@ from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import xm, xs
 from accel.config import BackendConfig
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+from accel.ties import retie, tied_names
+
+
+def host_readable(model: nn.Module) -> None:
+    """The model trained on the XLA device reads as a host model: its state_dict() gives CPU
+    copies, which safetensors (a Hugging Face model's save_pretrained), torch.save and numpy
+    can read (an XLA tensor has no storage they can), a tensor held under two names one copy.
+    `state_dict(keep_vars=True)` (what the backend and torch itself read) keeps the device's
+    tensors. Torch's public state_dict hooks, on the model itself (functions: torch marks each
+    hook it is given)."""
+    keep_vars = [False]
+
+    def before(module: nn.Module, prefix: str, keep: bool) -> None:
+        keep_vars[0] = keep
+
+    def after(module: nn.Module, state: dict, prefix: str, metadata: Any) -> None:
+        if keep_vars[0]:
+            return
+        copies: dict[int, torch.Tensor] = {}
+        for name, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "xla":
+                state[name] = copies.setdefault(id(value), value.cpu())
+
+    model.register_state_dict_pre_hook(before)
+    model.register_state_dict_post_hook(after)
 
 
 class XlaLayout:
@@ -31,7 +56,11 @@ class XlaLayout:
         model trained, `forward_module` what the step calls (FSDPv2's wrapper where there is
         one)."""
         devices = self.devices
+        aliases = tied_names(model)
         self.module = self.forward_module = model.to(devices.device, dtype=dtype)
+        # Moving to the XLA device gives each module a new parameter: tied weights split.
+        retie(self.module, aliases)
+        host_readable(self.module)
         if devices.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(self.module)
         if devices.tp > 1:  # names as the module trained has them (it is never wrapped with tp)

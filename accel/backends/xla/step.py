@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from accel.amp import AmpPolicy
+from accel.backends.as_eager import AsEager, modes_kept
 from accel.backends.base import Batch, LossFn, MetricFn, StepResult, split_batch
 from accel.backends.host_reads import RefuseHostReads
 from accel.backends.torch_family.core import TorchCore, accumulate, local_norm, metric_sums
@@ -55,7 +56,8 @@ class XlaStep:
         all-reduce, clipping, the guarded update and the EMA's; returns [mean loss, applied,
         *extras]."""
         devices = self.devices
-        micro_batches = [tuple(t.to(devices.device) for t in batch) for batch in micro_batches]
+        # Host micro-batches, cut on the host, each split over the mesh as the loader's are.
+        micro_batches = [self.batches.on_device(batch) for batch in micro_batches]
         means = accumulate(micro_batches, self.forward_loss, self.core, self.scope)
         devices.reduce_gradients(self.core.params, self.grad_reduce)
         means = devices.all_reduce(means, mean=True)  # [loss, *extras] over the replicas
@@ -68,8 +70,9 @@ class XlaStep:
 
     @contextlib.contextmanager
     def scope(self, last: bool) -> Iterator[None]:
-        """A micro-step's: autocast, and a user's loss refused where it reads the host."""
-        with self.autocast(), self.host_reads("xla", "xla"):
+        """A micro-step's: autocast, a user's loss refused where it reads the host, and the
+        functions torch_xla lowers unlike eager done as eager does them (as_eager.py)."""
+        with self.autocast(), self.host_reads("xla", "xla"), AsEager():
             yield
 
     def grad_norm(self, params: list[torch.Tensor]) -> torch.Tensor:
@@ -98,9 +101,7 @@ class XlaStep:
     @torch.no_grad()
     def forward(self, inputs: tuple) -> Any:
         module = self.layout.module
-        module.eval()
-        try:
+        with modes_kept(module):
+            module.eval()
             with self.autocast():
                 return self.layout.forward_module(*self.batches.on_device(tuple(inputs)))
-        finally:
-            module.train()

@@ -1,0 +1,124 @@
+"""Torch functions whose lowering on a compiling backend does not do what eager does, made to
+while the user's model runs there (xla's step, jax's trace):
+
+- BatchNorm's running statistics: torch_xla's and torchax's lowerings update the running
+  variance with the biased estimate (eager: the unbiased one), and torchax computes the new
+  statistics without writing them back. Here the batch is normalised by the lowering and the
+  running statistics are written in place, as eager writes them, from the same batch.
+- Class ids given as floats to cross_entropy or nll_loss: eager refuses them, torch_xla trains
+  on them silently. Here they are refused, naming what to give instead.
+
+    import torch
+    from accel.backends.as_eager import AsEager
+
+    bn = torch.nn.BatchNorm1d(3)
+    with AsEager():
+        bn(torch.randn(8, 3))
+    assert int(bn.num_batches_tracked) == 1
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+BATCH_NORM = inspect.signature(F.batch_norm)
+CLASS_ID_LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
+
+
+def batch_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None,
+    running_var: torch.Tensor | None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    training: bool = False,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """F.batch_norm as eager computes it: in training, the batch's statistics normalise it and
+    update the running ones in place (the variance's unbiased estimate, as eager's kernels
+    keep); in evaluation, the running statistics in the input's dtype (eager's kernel returns
+    the input's dtype whatever the statistics' dtype)."""
+    if running_mean is None or running_var is None:
+        return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
+    if not training:
+        mean, var = running_mean.to(input.dtype), running_var.to(input.dtype)
+        return F.batch_norm(input, mean, var, weight, bias, False, momentum, eps)
+    out = F.batch_norm(input, None, None, weight, bias, True, momentum, eps)
+    with torch.no_grad():
+        x = input.detach().float()
+        dims = [0, *range(2, x.dim())]
+        count = x.numel() // x.size(1)
+        mean = x.mean(dims)
+        var = x.var(dims, correction=1 if count > 1 else 0)
+        for running, batch in ((running_mean, mean), (running_var, var)):
+            updated = running.float() * (1.0 - momentum) + batch * momentum
+            running.copy_(updated.to(running.dtype))
+    return out
+
+
+def check_class_ids(name: str, input: torch.Tensor, target: torch.Tensor) -> None:
+    """Class ids must be integers; a floating target is cross_entropy's class probabilities,
+    of the input's shape."""
+    if not target.is_floating_point():
+        return
+    if name == "cross_entropy" and tuple(target.shape) == tuple(input.shape):
+        return
+    raise TypeError(
+        f"{name} got class ids as {target.dtype} (shape {list(target.shape)}): give them as "
+        "integers (target.long())"
+        + (
+            f", or class probabilities of the input's shape {list(input.shape)}"
+            if name == "cross_entropy"
+            else ""
+        )
+    )
+
+
+class AsEager(TorchFunctionMode):
+    """While active, F.batch_norm keeps its running statistics as eager does, and a loss of
+    class ids refuses floating ids as eager does (see the module's docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.batch_norm:
+            bound = BATCH_NORM.bind(*args, **kwargs)
+            return batch_norm(*bound.args, **bound.kwargs)
+        name = CLASS_ID_LOSSES.get(func)
+        if name is not None and len(args) >= 2:
+            check_class_ids(name, args[0], args[1])
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def modes_kept(model: torch.nn.Module) -> Iterator[None]:
+    """Each module's train or eval mode as it was before the block: an evaluation (or a trace
+    that sets a mode) leaves the model as it was given, a frozen BatchNorm in eval mode
+    included."""
+    modes = [(module, module.training) for module in model.modules()]
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def running_stat_names(model: torch.nn.Module) -> set[str]:
+    """The names of the running statistics a BatchNorm-like module keeps (its `running_mean` and
+    `running_var` buffers, and the count of batches it tracked)."""
+    names = set()
+    for prefix, module in model.named_modules():
+        buffers = dict(module.named_buffers(recurse=False))
+        if "running_mean" in buffers and "running_var" in buffers:
+            dot = f"{prefix}." if prefix else ""
+            names |= {f"{dot}{b}" for b in buffers if b.startswith(("running_", "num_batches"))}
+    return names
+
+
+__all__ = ["AsEager", "batch_norm", "check_class_ids", "modes_kept", "running_stat_names"]

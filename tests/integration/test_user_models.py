@@ -1,0 +1,455 @@
+"""Any model a user brings trains on every backend as it trains on eager, or is refused in one
+line before anything trains: BatchNorm's running statistics, tied weights, Hugging Face models,
+a parameter the forward never reads, a model given in bfloat16, the model's modes after an
+evaluation, class ids given as floats, linear algebra in the forward, and a zero distance."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from tests.helpers import HAS_XLA, TWO_HOST_DEVICES, run_module, train_cli, xla_flags
+
+BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile", "jax"]
+PARITY = {"rel": 1e-5, "abs": 1e-6}  # fp32 across compilers
+SLOW = pytest.mark.slow  # compiles a model on every backend: the full suite
+
+
+def cross_entropy(model: nn.Module, batch: tuple) -> torch.Tensor:
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels)
+
+
+def summed_loss(model: nn.Module, batch: tuple) -> dict:
+    inputs, labels = batch
+    loss = nn.functional.cross_entropy(model(inputs), labels, reduction="sum")
+    return {"loss": loss, "count": torch.tensor(float(len(labels)))}
+
+
+def image_batches(count: int, size: int = 8, side: int = 8, classes: int = 5, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(size, 3, side, side, generator=g) * 2 + 1,
+            torch.randint(0, classes, (size,), generator=g),
+        )
+        for _ in range(count)
+    ]
+
+
+def run(backend: str, model: nn.Module, optimizer, data, loss_fn=cross_entropy, **options):
+    """The script: prepare, a step a batch, the losses."""
+    engine = accel.prepare(model, optimizer, loss_fn, backend=backend, quiet=True, **options)
+    losses = [r.loss for r in engine.fetch([engine.step(*b) for b in data])]
+    return engine, losses
+
+
+# --- buffers a forward writes: BatchNorm's running statistics ----------------------------------
+class BatchNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.head = nn.Linear(8, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.bn(self.conv(x))).mean((2, 3)))
+
+
+STATISTICS = ("bn.running_mean", "bn.running_var", "bn.num_batches_tracked")
+_bn_reference: dict = {}
+
+
+def bn_run(backend: str, accum: int, tmp_path=None) -> dict:
+    torch.manual_seed(0)
+    model = BatchNormNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    engine, losses = run(backend, model, optimizer, image_batches(5), accum=accum)
+    held_out = image_batches(2, seed=9)
+    found = {
+        "losses": losses,
+        "state": engine.state_dict(),
+        "user": {k: v.cpu() for k, v in model.state_dict().items()},
+        "eval": engine.evaluate(held_out, summed_loss),
+        "forward": engine.model(held_out[0][0]).cpu(),
+    }
+    if tmp_path is not None:  # a checkpoint's round trip into a fresh engine
+        engine.save(tmp_path / "bn.pt")
+        torch.manual_seed(1)
+        fresh = BatchNormNet()
+        again = accel.prepare(
+            fresh, torch.optim.SGD(fresh.parameters(), lr=0.1), cross_entropy,
+            backend=backend, quiet=True,
+        )  # fmt: skip
+        again.load(tmp_path / "bn.pt")
+        found["loaded"] = again.state_dict()
+        found["loaded_eval"] = again.evaluate(held_out, summed_loss)
+    return found
+
+
+def bn_reference(accum: int) -> dict:
+    if accum not in _bn_reference:
+        _bn_reference[accum] = bn_run("eager", accum)
+    return _bn_reference[accum]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_batchnorm_statistics_are_eagers_on_every_backend(tmp_path, backend, accum):
+    """The running mean and variance (eager's unbiased estimate) and the batches tracked after
+    five steps, in engine.state_dict(), the user's own model, evaluation, the model's forward
+    and a checkpoint loaded into a fresh engine."""
+    found, want = bn_run(backend, accum, tmp_path), bn_reference(accum)
+    assert found["losses"] == pytest.approx(want["losses"], **PARITY)
+    assert int(found["state"]["bn.num_batches_tracked"]) == 5 * accum
+    for name in STATISTICS:
+        expected = want["state"][name]
+        for where in ("state", "user", "loaded"):
+            got = found[where][name]
+            assert got.dtype == expected.dtype, (where, name)
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6, msg=(where, name))
+    assert not torch.equal(found["state"]["bn.running_var"], torch.ones(8))  # they moved
+    for evaluated in (found["eval"], found["loaded_eval"]):
+        assert evaluated["loss"] == pytest.approx(want["eval"]["loss"], rel=1e-5)
+    torch.testing.assert_close(found["forward"], want["forward"], rtol=1e-4, atol=1e-5)
+
+
+@SLOW
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "eager"])
+def test_timm_resnet18_keeps_eagers_batchnorm_statistics(backend):
+    import timm
+
+    def resnet(kind: str):
+        torch.manual_seed(0)
+        model = timm.create_model("resnet18", num_classes=5)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        return run(kind, model, optimizer, image_batches(3, size=4, side=32))
+
+    engine, losses = resnet(backend)
+    reference, want = resnet("eager")
+    assert losses == pytest.approx(want, rel=1e-4)
+    found, expected = engine.state_dict(), reference.state_dict()
+    statistics = [n for n in expected if "running_" in n or "num_batches" in n]
+    assert len(statistics) == 3 * 20  # resnet18's 20 BatchNorms
+    for name in statistics:
+        torch.testing.assert_close(found[name], expected[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+# --- tied weights -------------------------------------------------------------------------
+class TiedNet(nn.Module):
+    """An embedding tied to its output layer, as language models tie them."""
+
+    def __init__(self, tie: bool = True):
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.mix = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 50, bias=False)
+        if tie:
+            self.out.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mix(self.emb(ids))))
+
+
+def id_batches(count: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, 50, (8,), generator=g), torch.randint(0, 50, (8,), generator=g))
+        for _ in range(count)
+    ]
+
+
+_tied_reference: list = []
+
+
+def tied_run(backend: str, tmp_path=None) -> tuple:
+    torch.manual_seed(0)
+    model = TiedNet()
+    engine, losses = run(backend, model, torch.optim.AdamW(model.parameters(), 1e-2), id_batches(4))
+    return model, engine, losses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_tied_weights_stay_one_parameter_on_every_backend(tmp_path, backend):
+    model, engine, losses = tied_run(backend)
+    if not _tied_reference:
+        _tied_reference.append(tied_run("eager")[2])
+    assert losses == pytest.approx(_tied_reference[0], **PARITY)
+    assert model.out.weight is model.emb.weight  # the user's module is still tied
+    state = engine.state_dict()
+    assert torch.equal(state["out.weight"], state["emb.weight"])  # both names kept
+    assert not torch.equal(state["emb.weight"], TiedNet().emb.weight)  # trained
+    untied = TiedNet(tie=False)
+    untied.load_state_dict(state)  # an untied copy loads the checkpoint's both names
+    assert torch.equal(untied.out.weight, untied.emb.weight)
+    engine.save(tmp_path / "tied.pt")
+    torch.manual_seed(3)
+    fresh = TiedNet()
+    again = accel.prepare(
+        fresh, torch.optim.AdamW(fresh.parameters(), 1e-2), cross_entropy, backend=backend,
+        quiet=True,
+    )  # fmt: skip
+    again.load(tmp_path / "tied.pt")
+    loaded = again.state_dict()
+    assert torch.equal(loaded["emb.weight"], state["emb.weight"])
+    assert torch.equal(loaded["out.weight"], state["emb.weight"])
+
+
+# --- Hugging Face transformers models ----------------------------------------------------------
+def hf_model(kind: str) -> nn.Module:
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    torch.manual_seed(0)
+    if kind == "vit":
+        config = transformers.ViTConfig(
+            image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+            num_attention_heads=2, intermediate_size=64, num_labels=5,
+        )  # fmt: skip
+        return transformers.ViTForImageClassification(config)
+    config = transformers.SwinConfig(
+        image_size=32, patch_size=4, embed_dim=16, depths=[1, 1], num_heads=[2, 2],
+        window_size=4, num_labels=5, drop_path_rate=0.0,  # no random draws: losses compare
+    )  # fmt: skip
+    return transformers.SwinForImageClassification(config)
+
+
+def hf_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    """The model's own loss, from its output: what a Hugging Face loop trains."""
+    pixel_values, labels = batch
+    return model(pixel_values=pixel_values, labels=labels).loss
+
+
+_hf_reference: dict = {}
+
+
+def hf_run(backend: str, kind: str) -> tuple:
+    model = hf_model(kind)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine, losses = run(backend, model, optimizer, image_batches(3, side=32), loss_fn=hf_loss)
+    return model, engine, losses
+
+
+@SLOW
+@pytest.mark.parametrize("kind", ["vit", "swin"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_hugging_face_model_trains_and_saves_pretrained_on_every_backend(tmp_path, backend, kind):
+    model, engine, losses = hf_run(backend, kind)
+    if kind not in _hf_reference:
+        _hf_reference[kind] = hf_run("eager", kind)[2]
+    assert losses == pytest.approx(_hf_reference[kind], rel=1e-4)
+    model.save_pretrained(tmp_path / "saved")  # the user's own model, after training
+    # Read back as its users read it (the file's names are the library's to choose).
+    saved = type(model).from_pretrained(tmp_path / "saved").state_dict()
+    trained = engine.state_dict()
+    assert set(saved) == set(trained)
+    for name, tensor in saved.items():
+        assert torch.equal(tensor, trained[name]), name
+    assert not torch.equal(saved["classifier.weight"], hf_model(kind).classifier.weight)
+
+
+# --- a batch on a mesh: each device computes its part ----------------------------------------
+def entry_parameters(program: str) -> list[str]:
+    """The shapes a compiled program's entry takes, each device's ("f32[4,5]")."""
+    entry = re.search(r"ENTRY [^(]*\((.*?)\) ->", program)
+    return re.findall(r"\w+\[[\d,]*\]", entry.group(1)) if entry else []
+
+
+def mesh_run(backend: str, tmp_path: Path, devices: int = 2) -> tuple[dict, list[str]]:
+    """tests/mesh_inputs.py on a mesh of `devices` devices: its record, and the compiled
+    programs of its steps (xla: XLA's dump of each step graph; jax: the lowered step's)."""
+    dump = tmp_path / "dump"
+    env = {"JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU"}
+    if backend == "xla":
+        env["CPU_NUM_DEVICES"] = str(devices)
+        env["XLA_FLAGS"] = xla_flags(
+            f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
+            "--xla_dump_hlo_module_re=SyncTensorsGraph",
+        )  # fmt: skip
+    else:
+        env["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={devices}")
+    done = run_module("tests.mesh_inputs", backend, str(tmp_path), str(devices), env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "result.json").read_text())
+    if backend == "xla":
+        programs = [f.read_text() for f in sorted(dump.glob("*cpu_after_optimizations.txt"))]
+    else:
+        programs = [case["program"] for case in record.values()]
+    return record, programs
+
+
+@SLOW
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("xla", "jax")])
+def test_host_tensors_on_a_two_device_mesh_are_split_as_the_loaders(tmp_path, backend):
+    """engine.step(x, y) with host tensors on 2 devices: each device takes half the batch (a
+    micro-batch's half with accum=2, cut on the host before it is sent), the gradient is
+    all-reduced across the devices, and every way in trains the one-device losses."""
+    record, programs = mesh_run(backend, tmp_path)
+    one, _ = mesh_run(backend, tmp_path / "one", devices=1)
+    steps = [p for p in programs if "f32[16,5]" in " ".join(entry_parameters(p))]  # the weight
+    assert steps and all("all-reduce" in p for p in steps)
+    inputs = {s for p in steps for s in entry_parameters(p) if s.endswith(",5]") and "16" not in s}
+    whole = {"f32[8,5]", "f32[1,8,5]", "f32[2,4,5]"}  # a batch (or its micro-batches) whole
+    assert inputs and not inputs & whole
+    if backend == "jax":
+        assert {"f32[1,4,5]", "f32[2,2,5]"} <= inputs
+    else:  # the host path's micro-batches [4, 5] each: [2, 5] a device
+        assert {"f32[4,5]", "f32[2,5]"} <= inputs
+    for case, found in record.items():
+        assert found["losses"] == pytest.approx(one[case]["losses"], rel=1e-5), case
+    if backend == "xla":  # each micro-batch of a host batch reached the loss split in two
+        specs = {spec for case in ("host-1", "host-2") for _, spec in record[case]["seen"]}
+        assert specs == {"{devices=[2,1]0,1}"}
+
+
+@SLOW
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("xla", "jax")])
+def test_mfu_and_the_world_size_count_the_devices_a_tensor_parallel_step_runs_on(tmp_path, backend):
+    """tp 2 on a 2-device mesh is one data replica on two devices: MFU divides by 2."""
+    env = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES), "CPU_NUM_DEVICES": "2"}
+    summary, _ = train_cli(
+        tmp_path, "--backend", backend, "--model", "vit_micro", "--nproc_per_node", "2",
+        "--tp", "2", "--steps", "4", "--batch_size", "8", "--workers", "0",
+        "--peak_tflops", "1", env=env,
+    )  # fmt: skip
+    assert summary["world_size"] == summary["devices"] == 2
+    per_device = summary["images_per_sec"] * summary["flops_per_image"] / (1e12 * 2)
+    assert summary["mfu"] == pytest.approx(per_device, rel=1e-9)
+
+
+# --- the second list: unused parameters, bf16 models, modes, float ids, ops ----------------------
+class WithUnused(nn.Module):
+    """A parameter registered but never read, and dropout."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.unused = nn.Parameter(torch.ones(3))
+        self.drop = nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(self.drop(x))
+
+
+def vector_batches(count: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(8, 4, generator=g), torch.randint(0, 3, (8,), generator=g))
+            for _ in range(count)]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_parameter_the_forward_never_reads_is_left_alone(backend, kind):
+    """Torch's optimizers skip a parameter without a gradient: no weight decay, no state."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+        if kind == "adamw"
+        else torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9, weight_decay=0.1)
+    )
+    engine, _ = run(backend, model, optimizer, vector_batches(3))
+    state = engine.state_dict()
+    assert torch.equal(state["unused"], torch.ones(3))
+    assert not torch.equal(state["lin.bias"], WithUnused().lin.bias)  # the rest trained
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_given_in_bfloat16_is_refused_in_one_line(backend):
+    model = WithUnused().to(torch.bfloat16)
+    with pytest.raises(accel.AccelError, match=r"parameters are torch.bfloat16 \(unused\)"):
+        accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                      backend=backend, quiet=True)  # fmt: skip
+    assert model.lin.weight.dtype == torch.bfloat16  # nothing cast
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_evaluation_leaves_each_module_in_the_mode_it_had(backend):
+    """A model in train mode with one submodule frozen in eval mode (a frozen BatchNorm's
+    way): after evaluate and the model's forward, the same modes."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    model.drop.eval()
+    engine, _ = run(backend, model, torch.optim.SGD(model.parameters(), lr=0.1), vector_batches(2))
+    engine.evaluate(vector_batches(1, seed=5), summed_loss)
+    engine.model(vector_batches(1, seed=5)[0][0])
+    assert model.training and not model.drop.training and model.lin.training
+
+
+def float_ids(model: nn.Module, batch: tuple) -> torch.Tensor:
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels.float())  # the user's mistake
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float_class_ids_are_one_line_naming_the_users_line(backend):
+    torch.manual_seed(0)
+    model = WithUnused()
+    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), float_ids,
+                           backend=backend, quiet=True)  # fmt: skip
+    before = {k: v.cpu().clone() for k, v in engine.state_dict().items()}
+    with pytest.raises(accel.AccelError) as refused:
+        engine.fetch([engine.step(*vector_batches(1)[0])])
+    line = str(refused.value)
+    assert "\n" not in line and len(line) < 500
+    assert f"{os.path.basename(__file__)}:" in line and "labels.float()" in line
+    after = engine.state_dict()
+    assert all(torch.equal(after[k], v) for k, v in before.items())  # nothing trained
+
+
+class Algebra(nn.Module):
+    """A forward with linear algebra on its own weights and tensors it makes itself."""
+
+    def __init__(self, op: str):
+        super().__init__()
+        self.op = op
+        self.lin = nn.Linear(4, 3)
+        self.w = nn.Parameter(torch.randn(5, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.op == "eigh":  # the square root of a matrix of the weights (signs cancel)
+            spread = torch.diag(torch.arange(1.0, 5.0)) * 3  # eigenvalues well apart
+            values, vectors = torch.linalg.eigh(self.w.T @ self.w + spread)
+            x = x @ (vectors * values.sqrt()) @ vectors.T
+        elif self.op == "lstsq":
+            solution = torch.linalg.lstsq(self.w, torch.ones(5, 1)).solution
+            x = x * solution.T
+        elif self.op == "cdist":  # a point's distance to itself is 0: the gradient there too
+            x = x + torch.cdist(self.w, self.w).mean()
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("op", ["eigh", "lstsq", "cdist"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("eager", "jax")])
+def test_linear_algebra_and_zero_distances_train_as_on_eager(backend, op):
+    def algebra(kind: str) -> list[float]:
+        torch.manual_seed(0)
+        model = Algebra(op)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+        engine, losses = run(kind, model, optimizer, vector_batches(3))
+        assert all(r.applied for r in engine.fetch([engine.step(*vector_batches(1)[0])]))
+        return losses
+
+    assert algebra(backend) == pytest.approx(algebra("eager"), rel=1e-4)
+
+
+def test_a_skipped_step_is_said_at_the_first(capsys):
+    """A loss that is NaN at its second step: said then, once, on the step it was."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    calls = []
+
+    def nan_at_second(model: nn.Module, batch: tuple) -> torch.Tensor:
+        calls.append(1)
+        loss = cross_entropy(model, batch)
+        return loss * float("nan") if len(calls) == 2 else loss
+
+    run("eager", model, torch.optim.SGD(model.parameters(), lr=0.1),
+        vector_batches(3), loss_fn=nan_at_second)  # fmt: skip
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "step 2 skipped its update" in err[0]
