@@ -26,6 +26,7 @@ from accel.backends.base import (
 from accel.config import (
     AMP_LEVELS,
     ATTENTION_CHOICES,
+    REMAT_CHOICES,
     SHARD_MODES,
     AccelError,
     AmpDtype,
@@ -34,6 +35,7 @@ from accel.config import (
     BackendConfig,
     BackendName,
     MeshConfig,
+    RematChoice,
     ShardMode,
     StepConfig,
     shared_compile_cache,
@@ -93,6 +95,7 @@ def prepare(
     pp: int = 1,
     seed: int = 0,
     attention: AttentionChoice = "auto",
+    remat: RematChoice = "none",
     quiet: bool = False,
     init: ModelInit | None = None,
     state: LoopPart | None = None,
@@ -143,6 +146,11 @@ def prepare(
         (by shape: cuDNN for long unbiased sequences such as ViT's, XLA for biased or
         short ones such as Swin's windows; accel/backends/jax/attention.py). The other
         backends run torch's own attention.
+    remat: recompute each block's activations in the backward, for memory: "none" (keep
+        them all), "dots" (keep each block's matmul outputs, recompute the rest) or "full"
+        (keep only each block's input); the same losses whichever (accel/parallel/remat.py).
+        eager and compile run it through torch.utils.checkpoint, jax through jax.checkpoint;
+        xla refuses it in one line.
     quiet: say nothing at start (default: one line naming the backend and why).
     state: an object with a `step` count and state_dict/load_state_dict (a
         torch.distributed.checkpoint Stateful) that `save` and `load` keep; its `step` counts
@@ -156,7 +164,7 @@ def prepare(
     keywords = dict(
         backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
         devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
-        attention=attention,
+        attention=attention, remat=remat,
     )  # fmt: skip
     given = [k for k, v in keywords.items() if v != CONFIG_KEYWORDS[k]]
     if config is not None and given:
@@ -238,7 +246,7 @@ CONFIG_KEYWORDS = {
     name: parameter.default
     for name, parameter in inspect.signature(prepare).parameters.items()
     if name in ("backend", "clip_grad", "accum", "amp", "amp_dtype", "devices", "shard", "tp")
-    or name in ("tp_plan", "pp", "seed", "attention")
+    or name in ("tp_plan", "pp", "seed", "attention", "remat")
 }
 
 
@@ -248,7 +256,7 @@ def keyword_config(ema: bool, **keywords: Any) -> BackendConfig:
     k = keywords
     step = StepConfig(
         k["amp"], k["amp_dtype"], k["clip_grad"], k["accum"], ema, k["seed"],
-        attention=k["attention"],
+        attention=k["attention"], remat=k["remat"],
     )  # fmt: skip
     mesh = MeshConfig(k["devices"] or 0, k["shard"], k["tp"], k["tp_plan"], pp=k["pp"])
     return BackendConfig(k["backend"] or "", step, mesh)  # type: ignore[arg-type]  # "": open
@@ -261,6 +269,8 @@ def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> Ba
         raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{step.amp}'")
     if mesh.shard not in SHARD_MODES:
         raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{mesh.shard}'")
+    if step.remat not in REMAT_CHOICES:
+        raise AccelError(f"remat must be one of {', '.join(REMAT_CHOICES)}, got {step.remat!r}")
     if step.attention not in ATTENTION_CHOICES:
         raise AccelError(
             f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got '{step.attention}'"

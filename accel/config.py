@@ -22,12 +22,14 @@ ShardMode = Literal["none", "full", "grad_op"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 GradReduce = Literal["all_reduce", "optimizer_step"]
 AttentionChoice = Literal["auto", "cudnn", "xla"]
+RematChoice = Literal["none", "dots", "full"]
 
 BACKENDS: tuple[str, ...] = get_args(BackendName)
 AMP_LEVELS: tuple[str, ...] = get_args(AmpLevel)
 SHARD_MODES: tuple[str, ...] = get_args(ShardMode)
 PP_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
+REMAT_CHOICES: tuple[str, ...] = get_args(RematChoice)
 
 
 class ConfigError(ValueError):
@@ -44,7 +46,9 @@ class StepConfig:
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
     clip_grad: the gradients' global norm limit (0: none). accum: micro-batches a step's batch
     is split into. ema: keep an exponential moving average of the weights. seed: the backend's
-    own random draws. remat: recompute activations in the backward. kernel_opt: the backend's
+    own random draws. remat: recompute each block's activations in the backward ("none"; "dots":
+    keep its matmuls' outputs, recompute the rest; "full": recompute all of it;
+    accel/parallel/remat.py). kernel_opt: the backend's
     extra fused paths (`launch_single_task --backends` lists them). attention: the jax
     backend's attention kernels: "xla" (XLA's own ops), "cudnn" (cuDNN flash attention wherever
     it takes the shape) or "auto" (by shape, accel/backends/jax/attention.py); on a CPU all
@@ -57,7 +61,7 @@ class StepConfig:
     accum: int = 1
     ema: bool = False
     seed: int = 0
-    remat: bool = False
+    remat: RematChoice = "none"
     kernel_opt: bool = False
     attention: AttentionChoice = "auto"
 

@@ -74,7 +74,7 @@ def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
         (mesh.tp > 1 and not supports.tp, "tp="),
         (mesh.tp_head > 1 and not supports.tp_head, "tp_head="),
         (mesh.pp > 1 and not supports.pp, "pp="),
-        (step.remat and not supports.remat, "remat=True"),
+        (step.remat != "none" and not supports.remat, f"remat='{step.remat}'"),
     ]
     lines = [
         f"{setting} is not supported by the {name} backend (accel.backends.support_matrix() "
@@ -111,7 +111,7 @@ SUPPORT_ROWS = (
     ("tp_head=", "tp_head"),
     ("pp=", "pp"),
     ("not together", "exclusive"),
-    ("remat=True", "remat"),
+    ("remat=", "remat"),
     ("data_device='gpu'", "data_device_gpu"),
     ("devices=N as", "replicas"),
     ("N replicas on CPU", "cpu_replicas"),

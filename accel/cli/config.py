@@ -24,6 +24,7 @@ from accel.config import (
     ATTENTION_CHOICES,
     BACKENDS,
     PP_SCHEDULES,
+    REMAT_CHOICES,
     SHARD_MODES,
     ConfigError,
     shared_compile_cache,
@@ -154,8 +155,12 @@ class RunConfig:
         flag="--kernel-opt",
         group=PRECISION,
     )
-    remat: bool = option(
-        False, "recompute activations in the backward (less memory)", group=PRECISION
+    remat: str = option(
+        "none",
+        "recompute each block's activations in the backward, for memory: none, dots (keep the "
+        "matmuls' outputs) or full",
+        choices=REMAT_CHOICES,
+        group=PRECISION,
     )
     attention: str = option(
         "auto",

@@ -118,7 +118,7 @@ def step_config(cfg: RunConfig) -> StepConfig:
         accum=optim.grad_accum,
         ema=optim.model_ema,
         seed=cfg.seed,
-        remat=cfg.remat,
+        remat=cfg.remat,  # type: ignore[arg-type]  # checked against its choices
         kernel_opt=cfg.kernel_opt,
         attention=cfg.attention,  # type: ignore[arg-type]  # checked against its choices
     )

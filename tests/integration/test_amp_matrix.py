@@ -119,18 +119,18 @@ def _dot_operand_dtypes(text: str) -> set[str]:
 
 @pytest.fixture(scope="session")
 def train_case(tmp_path_factory):
-    """train_case(backend, model, level, kernel_opt, remat=False): five steps of the case; each
+    """train_case(backend, model, level, kernel_opt, remat="none"): five steps of the case; each
     one trains once per session, whichever test asks first."""
 
     @functools.cache
-    def train(backend: str, model: str, level: str, kernel_opt: bool, remat: bool = False):
+    def train(backend: str, model: str, level: str, kernel_opt: bool, remat: str = "none"):
         return _train_case(tmp_path_factory.mktemp(f"amp-{backend}"), backend, model, level,
                            kernel_opt, remat)  # fmt: skip
 
     return train
 
 
-def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: bool, remat: bool):
+def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: bool, remat: str):
     cfg = micro_config(
         out,
         backend=backend,
@@ -215,9 +215,10 @@ def test_o0_first_five_losses_equal_eager(train_case, backend):
         assert got == pytest.approx(train_case("eager", model, "O0", False)["losses"], rel=1e-3)
 
 
+@pytest.mark.parametrize("remat", ["dots", "full"])
 @pytest.mark.parametrize("backend", ["eager", "jax"])
-def test_remat_recomputes_and_trains_alike(train_case, backend):
+def test_remat_recomputes_and_trains_alike(train_case, backend, remat):
     plain = train_case(backend, "vit_micro", "O0", False)
-    remat = train_case(backend, "vit_micro", "O0", False, remat=True)
-    assert remat["recomputes"] and not plain["recomputes"]
-    assert remat["losses"] == pytest.approx(plain["losses"], rel=1e-5)
+    recomputed = train_case(backend, "vit_micro", "O0", False, remat=remat)
+    assert recomputed["recomputes"] and not plain["recomputes"]
+    assert recomputed["losses"] == pytest.approx(plain["losses"], rel=1e-5)

@@ -446,3 +446,40 @@ def test_the_step_lowers_on_jax_and_is_refused_in_one_line_elsewhere(backend):
     assert "stablehlo.dot_general" in text  # the layers' matmuls, forward and backward
     assert engine.steps_done == 0  # lowered, not run
     assert all(torch.equal(before[n], v) for n, v in engine.state_dict().items())
+
+
+def remat_losses(backend: str, remat: str) -> list[float]:
+    """Three steps of a 2-block timm ViT with stochastic depth (its draws too must repeat)."""
+    import timm
+
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5,
+        drop_path_rate=0.1,
+    )  # fmt: skip
+    engine = accel.prepare(
+        model, torch.optim.AdamW(model.parameters(), 1e-3), loss_fn, backend=backend,
+        remat=remat, quiet=True,
+    )  # fmt: skip
+    data = [(torch.randn(8, 3, 32, 32), torch.randint(0, 5, (8,))) for _ in range(3)]
+    return [r.loss for r in engine.fetch([engine.step(*b) for b in data])]
+
+
+@SLOW
+@pytest.mark.parametrize("remat", ["dots", "full"])
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "xla"])
+def test_remat_trains_the_losses_of_keeping_every_activation(backend, remat):
+    assert remat_losses(backend, remat) == pytest.approx(remat_losses(backend, "none"), **PARITY)
+
+
+@pytest.mark.xla
+def test_remat_is_refused_in_one_line_where_the_backend_lacks_it():
+    model = Net()
+    with pytest.raises(accel.AccelError, match="remat='full' is not supported by the xla"):
+        accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="xla", remat="full",
+                      quiet=True)  # fmt: skip
+    with pytest.raises(accel.AccelError, match="remat must be one of none, dots, full"):
+        accel.prepare(model, grouped(model, "sgd"), loss_fn, remat=True, quiet=True)  # type: ignore[arg-type]
+    with pytest.raises(accel.AccelError, match="Net repeats no block"):
+        accel.prepare(model, grouped(model, "sgd"), loss_fn, backend="eager", remat="dots",
+                      quiet=True)  # fmt: skip

@@ -95,7 +95,7 @@ CASES = [
     ),
     (["--backend", "compile", "--nproc_per_node", "2", "--pp", "2"], {}, ["--pp", "compile"]),
     (["--backend", "xla", "--shard", "grad_op"], {}, ["--shard grad_op", "xla backend"]),
-    (["--backend", "xla", "--remat"], {}, ["--remat", "xla backend"]),
+    (["--backend", "xla", "--remat", "full"], {}, ["--remat", "xla backend"]),
     (["--backend", "xla", "--data_device", "gpu"], {}, ["--data_device gpu", "xla"]),
     (["--backend", "jax", "--nproc_per_node", "2", "--tp_head", "2"], {}, ["--tp_head", "jax"]),
     (

@@ -80,7 +80,7 @@ class JaxBackend:
     ) -> None:
         model = whole(model, init)
         # The torch side (names, shapes, checkpoint layout): traced, never run.
-        self.tracer = Tracer(model, self.env, self.sdpa, self.amp)
+        self.tracer = Tracer(model, self.env, self.sdpa, self.amp, self.cfg.step.remat)
         optax_groups = OptaxGroups(optimizer)
         self.state = TrainState(model, optax_groups, self.precision, self.runtime, self.cfg)
         self.step = CompiledStep(

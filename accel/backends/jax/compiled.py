@@ -95,7 +95,6 @@ class CompiledStep:
             self.runtime.mesh,
             clip_grad=self.cfg.step.clip_grad,
             seed=self.cfg.step.seed,
-            remat=self.cfg.step.remat,
             grad_shardings=layout.grads,
             weight_shardings=layout.weights,
             unread=lambda: self.tracer.unread,

@@ -203,8 +203,12 @@ class TrainState:
         store = self.precision.store
         params = {n: to_jax(state["model"][n], store) for n in self.param_names}
         self.params = jax.device_put(params, self.layout.params)
-        # The constants too: running statistics and frozen weights, each in its own dtype.
-        buffers = {n: to_jax(state["model"][n], old.dtype) for n, old in self.buffers.items()}
+        # The constants too: running statistics and frozen weights, each in its own dtype (a
+        # non-persistent buffer is in no checkpoint: it stays as it is).
+        saved = state["model"]
+        buffers = {
+            n: to_jax(saved[n], old.dtype) if n in saved else old for n, old in self.buffers.items()
+        }
         self.buffers = jax.device_put(buffers, self.replicated)
         if self.ema:  # a checkpoint without an EMA starts it from its weights
             ema = state.get("ema", state["model"])

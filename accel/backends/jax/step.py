@@ -27,7 +27,6 @@ def make_train_step(
     *,
     clip_grad: float = 0.0,
     seed: int = 0,
-    remat: bool = False,
     grad_shardings: Any = None,
     weight_shardings: Any = None,
     unread: Callable[[], Collection[str]] = frozenset,
@@ -68,9 +67,6 @@ def make_train_step(
         return loss, (jnp.zeros(0, jnp.float32) if extras is None else extras, written)
 
     given, loss_fn = loss_fn, with_extras
-    if remat:  # keep the layers' matmul outputs, recompute the rest (attention too)
-        policy = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-        loss_fn = jax.checkpoint(loss_fn, policy=policy)
 
     def mean_grads(params, consts, batch, key, constrain):
         """The loss, extras and gradients of `batch`, each averaged over its micro-steps, and

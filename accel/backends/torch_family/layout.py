@@ -17,8 +17,9 @@ from accel.amp import AmpPolicy
 from accel.backends.base import Batch, LossFn, MetricFn, ModelInit
 from accel.backends.torch_family import reductions
 from accel.backends.torch_family.core import TorchCore, accumulate
-from accel.config import BackendConfig, ConfigError
+from accel.config import BackendConfig
 from accel.parallel.mesh import ParallelDims
+from accel.parallel.remat import checkpoint_blocks
 
 ForwardLoss = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -109,13 +110,6 @@ class Layout:
         return list(given()) if callable(given) else []
 
 
-def remat(model: nn.Module, enabled: bool) -> None:
-    """Recompute activations in the backward, through the model's own switch (timm's)."""
-    if not enabled:
-        return
-    switch = getattr(model, "set_grad_checkpointing", None)
-    if switch is None:
-        raise ConfigError(
-            f"remat: {type(model).__name__} has no set_grad_checkpointing (timm models have)"
-        )
-    switch(True)
+def remat(model: nn.Module, choice: str) -> None:
+    """Recompute each block's activations in the backward (torch.utils.checkpoint)."""
+    checkpoint_blocks(model, choice)
