@@ -70,6 +70,15 @@ class StepResult(_LossApplied):
         return out
 
 
+def classifier_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of the model's final classifier, where the model names them: a model with
+    a `classifier_parameters()` method (returning its classifier's parameters) has their share
+    of the training state reported apart (BackendStats.state_bytes' 'classifier'); any other
+    model, none."""
+    named = getattr(model, "classifier_parameters", None)
+    return list(named()) if callable(named) else []
+
+
 def split_batch(batch: tuple, parts: int) -> list[tuple]:
     """A batch as `parts` micro-batches along its first axis (gradient accumulation)."""
     size = batch[0].shape[0] // parts

@@ -173,14 +173,11 @@ def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
         kwargs["num_classes"] = cfg.num_classes
     if cfg.drop_path_rate is not None:
         kwargs["drop_path_rate"] = cfg.drop_path_rate
-    # Swin's window attention (its relative-position bias and shift mask included) through
-    # scaled_dot_product_attention, as ViT's already is: timm keeps it on plain ops by default
-    # ("experimental"), which leaves every backend's fused attention kernels unused.
-    timm.layers.set_fused_attn(True, experimental=True)
     if cfg.img_size is not None:
         kwargs["img_size"] = cfg.img_size
     # Any: its pretrained_cfg (and the like) are timm's attributes, not nn.Module's.
     model: Any = timm.create_model(cfg.name, pretrained=False, **kwargs)
+    fused_attention(model)
     if cfg.img_size is not None:  # the size the data pipeline reads off the model
         model.pretrained_cfg = {
             **model.pretrained_cfg,
@@ -188,6 +185,17 @@ def create_model(cfg: ModelConfig, seed: int | None = None) -> ImageClassifier:
         }
     pcfg = model.pretrained_cfg
     return ImageClassifier(model, tuple(pcfg["mean"]), tuple(pcfg["std"]))
+
+
+def fused_attention(model: nn.Module) -> None:
+    """Swin's window attention (its relative-position bias and shift mask included) through
+    scaled_dot_product_attention, as ViT's already is: timm keeps it on plain ops by default
+    ("experimental"), which leaves every backend's fused attention kernels unused. Set on this
+    model's attention modules (timm's `fused_attn` flag), not on timm's process-wide setting: a
+    model the script builds itself keeps timm's default."""
+    for module in model.modules():
+        if isinstance(getattr(module, "fused_attn", None), bool):
+            setattr(module, "fused_attn", True)  # noqa: B010  (timm's attribute, not nn.Module's)
 
 
 def meta_model(cfg: ModelConfig) -> ImageClassifier:

@@ -15,9 +15,20 @@ group's ranks are neighbours). Each parallelism is a function of the model and t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from accel.config import ConfigError, MeshConfig, ShardMode
+
+
+class Axis(StrEnum):
+    """The mesh's axes, named once: torch's DeviceMesh, xla's SPMD mesh, jax's Mesh and
+    `ParallelDims.describe` all use these names."""
+
+    DATA = "dp"  # data replicas, each a whole model
+    DATA_SHARD = "fsdp"  # data replicas that also split the weights (shard=; FSDPv2 reads it)
+    TENSOR = "tp"  # tensor-parallel ranks
+    PIPELINE = "pp"  # pipeline stages
 
 
 @dataclass(frozen=True)
@@ -55,22 +66,31 @@ class ParallelDims:
         return self.dp * self.tp * self.pp
 
     @property
+    def data_axis(self) -> Axis:
+        """The data axis's name: `fsdp` where the replicas split the weights, else `dp`."""
+        return Axis.DATA_SHARD if self.shard != "none" else Axis.DATA
+
+    @property
     def splits_model(self) -> bool:
         """Whether a rank holds only part of the model (and a checkpoint is written in parts)."""
         return self.tp > 1 or self.pp > 1 or self.shard != "none"
 
     def describe(self, ranks: str) -> str:
         """One line for the launcher: the mesh's axes and how many ranks it spans."""
-        axes = [("fsdp" if self.shard != "none" else "dp", self.dp)]
-        axes += [(name, size) for name, size in (("tp", self.tp), ("pp", self.pp)) if size > 1]
+        axes = [(self.data_axis, self.dp)]
+        axes += [
+            (a, size) for a, size in ((Axis.TENSOR, self.tp), (Axis.PIPELINE, self.pp)) if size > 1
+        ]
         return "mesh " + " x ".join(f"{n} {s}" for n, s in axes) + f" ({self.world} {ranks})"
 
     def build(self, device_type: str) -> Any:
-        """The torch DeviceMesh of these dims over the process group: axes pp, dp, tp."""
+        """The torch DeviceMesh of these dims over the process group: axes pp, the data axis
+        (dp or fsdp), tp."""
         from torch.distributed.device_mesh import init_device_mesh
 
         shape = (self.pp, self.dp, self.tp)
-        return init_device_mesh(device_type, shape, mesh_dim_names=("pp", "dp", "tp"))
+        names = (Axis.PIPELINE, self.data_axis, Axis.TENSOR)
+        return init_device_mesh(device_type, shape, mesh_dim_names=tuple(str(n) for n in names))
 
 
 @dataclass(frozen=True)

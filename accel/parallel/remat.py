@@ -72,12 +72,17 @@ def checkpoint_blocks(model: nn.Module, choice: str) -> None:
     backward. Nothing changes under no_grad (evaluation) or with "none"."""
     if choice == "none":
         return
-    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+    from torch.utils.checkpoint import (
+        checkpoint,
+        create_selective_checkpoint_contexts,
+        noop_context_fn,
+    )
 
-    context = (
+    # "dots": torch's selective checkpointing keeps the matmuls; "full": its default contexts.
+    context: Any = (
         functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
         if choice == "dots"
-        else None
+        else noop_context_fn
     )
     for _, block in remat_blocks(model):
         forward = block.forward
@@ -85,8 +90,7 @@ def checkpoint_blocks(model: nn.Module, choice: str) -> None:
         def recomputed(*args: Any, _forward=forward, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            extra = {"context_fn": context} if context else {}
-            return checkpoint(_forward, *args, use_reentrant=False, **extra, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context, **kwargs)
 
         # The block's own forward, replaced on the instance (its class is left as it is).
         block.forward = recomputed  # type: ignore[method-assign]

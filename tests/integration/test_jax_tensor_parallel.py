@@ -187,7 +187,7 @@ def test_vit_over_data_and_model_axes_trains_the_one_device_losses(one_device, t
         assert part == expected, name
         assert moments[name] == params[name], name  # the moments split as their weights
     proj = params["blocks.0.attn.proj.weight"]  # rowwise: columns split
-    assert proj["spec"] == ["data" if shard == "full" else None, "model"]
+    assert proj["spec"] == ["fsdp" if shard == "full" else None, "tp"]
     reference = one_device["vit"][0]["state_bytes"]
     share = (result["state_bytes"]["params"] + result["state_bytes"]["optimizer"]) / (
         reference["params"] + reference["optimizer"]

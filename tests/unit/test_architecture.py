@@ -250,3 +250,49 @@ def test_no_test_reads_an_engines_backend():
             continue
         reads = [r for r in _reads(rel) if r[1] == "runner"]
         assert not reads, (rel, reads)
+
+
+# Calls that take mesh axis names: jax's and torch_xla's meshes, partition specs, collectives.
+AXIS_TAKERS = {
+    "P", "PartitionSpec", "Mesh", "NamedSharding", "pmean", "psum", "axis_index", "all_gather",
+    "ShardingSpec", "mark_sharding", "init_device_mesh", "get_group", "get_local_rank", "of",
+}  # fmt: skip
+
+
+def _literal_axes(node: ast.Call) -> list[str]:
+    """String constants among a call's arguments (in tuples and lists too), and its
+    mesh_dim_names= keyword's."""
+    values = [*node.args, *(k.value for k in node.keywords if k.arg == "mesh_dim_names")]
+    found = []
+    for value in values:
+        items = value.elts if isinstance(value, ast.Tuple | ast.List) else [value]
+        found += [
+            i.value for i in items if isinstance(i, ast.Constant) and isinstance(i.value, str)
+        ]
+    return found
+
+
+def test_no_backend_names_a_mesh_axis_but_through_one_vocabulary():
+    """accel.parallel.mesh.Axis names the axes once; torch's, xla's and jax's meshes, their
+    partition specs and collectives take the names from it, never a literal."""
+    for folder in ("backends", "parallel"):
+        for path in (ROOT / "accel" / folder).rglob("*.py"):
+            rel = str(path.relative_to(ROOT))
+            for node in ast.walk(ast.parse(path.read_text())):
+                if not isinstance(node, ast.Call):
+                    continue
+                func = node.func
+                name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+                if name in AXIS_TAKERS:
+                    assert not _literal_axes(node), (rel, node.lineno, _literal_axes(node))
+
+
+def test_the_mesh_describes_itself_with_its_axes_names():
+    from accel.config import MeshConfig
+    from accel.parallel.mesh import Axis, ParallelDims
+
+    dims = ParallelDims.of(MeshConfig(shard="full", tp=2, pp=2), 8)
+    assert dims.describe("processes") == (
+        f"mesh {Axis.DATA_SHARD} 2 x {Axis.TENSOR} 2 x {Axis.PIPELINE} 2 (8 processes)"
+    )
+    assert ParallelDims.of(MeshConfig(), 2).data_axis == Axis.DATA

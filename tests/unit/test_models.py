@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -33,3 +35,19 @@ def test_normalisation_happens_inside_the_model():
 def test_unknown_model_names_close_matches():
     with pytest.raises(UnknownModelError, match="vit_micro"):
         check_model_name("vit_mirco")
+
+
+def test_the_command_lines_fused_attention_stays_on_its_own_model():
+    """Its Swin's window attention runs through scaled_dot_product_attention; a timm Swin the
+    script builds afterwards keeps timm's default (plain ops), process-wide setting untouched."""
+    import timm
+    from timm.models.swin_transformer import WindowAttention
+
+    def flags(model: torch.nn.Module) -> set[bool]:
+        return {m.fused_attn for m in model.modules() if isinstance(m, WindowAttention)}
+
+    ours = create_model(ModelConfig(name="swin_micro"))
+    after = flags(timm.create_model("swin_tiny_patch4_window7_224", pretrained=False))
+    assert flags(ours) == {True}
+    # timm's default: its TIMM_FUSED_ATTN (1 unless set) takes window attention fused at 2
+    assert after == {int(os.environ.get("TIMM_FUSED_ATTN", "1")) > 1}

@@ -1,10 +1,11 @@
 """JAX backend: the same torch model lowered to JAX by torchax and compiled by XLA (CPU, GPU, TPU).
 
 The training step is one pure function under jax.jit: forward, soft-target loss, JAX autodiff,
-an explicit gradient mean over the devices of a 1-D 'data' mesh (shard_map + pmean, the same
+an explicit gradient mean over the devices of a 1-D data mesh (shard_map + pmean, the same
 contract as the xla backend's all-reduce), then optax AdamW. With tensor parallelism (tp=) the
-mesh is 2-D, ('data', 'model'): the plan's linear layers split their weights over 'model' (and
-with shard='full' every weight over 'data' too), the step is one program over the global batch,
+mesh is 2-D, data x tensor (accel.parallel.mesh.Axis names them: 'dp', or 'fsdp' where the
+weights split, and 'tp'): the plan's linear layers split their weights over 'tp' (and with
+shard='full' every weight over 'fsdp' too), the step is one program over the global batch,
 and XLA's SPMD partitioner adds the collectives. Weights and optimizer state are donated. The
 learning rate comes in as an argument each step, read from the same timm schedule as the torch
 backends, so it never triggers a recompile.

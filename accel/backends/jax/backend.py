@@ -31,7 +31,7 @@ from accel.backends.jax.torchax_compat import removed_ops
 from accel.backends.jax.tracing import Tracer, torch_sdpa
 from accel.backends.jax.values import Precision
 from accel.backends.quiet import quiet_imports
-from accel.config import BackendConfig, ConfigError
+from accel.config import BackendConfig
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
@@ -47,14 +47,16 @@ class JaxBackend:
     sharded_checkpoint = False  # one process holds every array it trains: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
-        step = cfg.step
-        if step.amp != "O0" and step.amp_dtype != "bfloat16":
-            raise ConfigError("the jax backend does low precision in bfloat16 (amp_dtype=)")
+        step = cfg.step  # float16 is refused before (SUPPORTS.float16: accel.backends.refusals)
         self.cfg = cfg
         self.amp = amp_policy(step.amp, step.amp_dtype)
         self.precision = Precision.of(self.amp)
-        # Before the first compile: JAX reads the cache settings once per process.
+        # Before the first compile: JAX reads the cache settings once per process. Every
+        # program is kept, not only those that took a second to compile (JAX's default): a
+        # second launch would compile the small ones again (the optimizer's init, the
+        # evaluation's sums), seconds before its first step.
         jax.config.update("jax_compilation_cache_dir", cfg.compiler.cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
         self.monitor = CompileMonitor.get()
         self.compile_events_at_start = self.monitor.snapshot()
         self.runtime = Runtime(cfg, ctx)

@@ -23,7 +23,7 @@ from accel.backends.quiet import quiet_imports
 from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.parallel import effective_shard
-from accel.parallel.mesh import ParallelDims
+from accel.parallel.mesh import Axis, ParallelDims
 
 # torchax is imported when a jax engine is about to be built (require()), not with this module.
 # Its import renames torch's PrivateUse1 device to "jax", which makes it torch's accelerator for
@@ -133,9 +133,10 @@ class DevicePrefetcher:
 
 
 class Runtime:
-    """This process's devices as one mesh: 1-D ('data') for data parallelism, 2-D ('data',
-    'model') with tensor parallelism; the data replicas the process feeds, its batches put on
-    the devices split along the batch, and the collectives and waits across them."""
+    """This process's devices as one mesh (its axes named by accel.parallel.mesh.Axis): 1-D,
+    the data axis, for data parallelism; 2-D, data x tensor, with tensor parallelism. The data
+    replicas the process feeds, its batches put on the devices split along the batch, and the
+    collectives and waits across them."""
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
         self.data_parallel = (ctx.rank, ctx.world_size)
@@ -151,16 +152,17 @@ class Runtime:
         if self.dims.tp > 1 and jax.process_count() > 1:
             raise ConfigError("tp= on jax splits over one process's devices, not across hosts")
         if self.dims.tp > 1:
-            # 'model' innermost: a tensor-parallel group's devices are neighbours.
+            # the tensor axis innermost: a tensor-parallel group's devices are neighbours.
             grid = used.reshape(self.dims.dp, self.dims.tp)
-            self.mesh = Mesh(grid, ("data", "model"))
+            self.mesh = Mesh(grid, (self.dims.data_axis, Axis.TENSOR))
         else:
-            self.mesh = Mesh(used, ("data",))
+            self.mesh = Mesh(used, (self.dims.data_axis,))
         # Data replicas this process feeds: a tensor-parallel group reads one batch.
         self.local_replicas = cfg.mesh.devices // self.dims.tp
         self.replicated = NamedSharding(self.mesh, P())
-        self.batch_sharding = NamedSharding(self.mesh, P("data"))
-        self.micro_sharding = NamedSharding(self.mesh, P(None, "data"))  # [micro-steps, batch]
+        self.data_axis = self.dims.data_axis  # the batch's axis (with shard=, the weights' too)
+        self.batch_sharding = NamedSharding(self.mesh, P(self.data_axis))
+        self.micro_sharding = NamedSharding(self.mesh, P(None, self.data_axis))  # [micro, batch]
         self.shard = effective_shard(cfg.mesh.shard, self.dims.dp)
         if self.shard != "none" and jax.process_count() > 1:
             raise ConfigError("shard= on jax shards over one process's devices, not across hosts")

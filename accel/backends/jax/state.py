@@ -17,6 +17,7 @@ from accel.backends.jax.optimizer import OptaxGroups
 from accel.backends.jax.runtime import Runtime
 from accel.backends.jax.values import Precision, host_value, to_jax, to_torch
 from accel.config import BackendConfig
+from accel.parallel.mesh import Axis
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.ties import tied_names
 
@@ -30,22 +31,23 @@ def device_bytes(tree: Any) -> int:
 class Layout:
     """Where each array lives on the mesh: the weights (`params`), their gradients (`grads`),
     the optimizer state (`opt`), the weights while the step computes (`weights`; None: as
-    stored) and the EMA (`ema`). With shard='full' the weights split over 'data'; with 'grad_op'
-    the gradients and moments only; with tp= the plan's layers split over 'model' too."""
+    stored) and the EMA (`ema`). With shard='full' the weights split over the data axis; with
+    'grad_op' the gradients and moments only; with tp= the plan's layers split over 'tp' too."""
 
     def __init__(
         self, runtime: Runtime, model: torch.nn.Module, params: dict, cfg: BackendConfig, opt: Any
     ):
         self.mesh, self.replicated, shard = runtime.mesh, runtime.replicated, runtime.shard
+        self.data = runtime.data_axis
         if runtime.dims.tp > 1:
             plan = resolve_plan(model, cfg.mesh.tp_plan, runtime.dims.tp)
             splits = weight_splits(model, plan)
             self.params = self.tp_shardings(params, splits, shard == "full")
-            # grad_op: the weights split over 'model' only, their gradients and moments over
-            # 'data' too.
+            # grad_op: the weights split over 'tp' only, their gradients and moments over
+            # the data axis too.
             self.grads = self.tp_shardings(params, splits, shard != "none")
             self.opt = self.state_shardings(opt, params, self.grads)
-            # While the step computes: split over 'model' only.
+            # While the step computes: split over 'tp' only.
             self.weights: dict | None = self.tp_shardings(params, splits, False)
         else:
             self.params = self.shardings(params, shard == "full")
@@ -55,33 +57,33 @@ class Layout:
         self.ema = self.params if cfg.step.ema else {}
 
     def shardings(self, tree: Any, split: bool) -> Any:
-        """Per leaf: split along its first axis over the `data` mesh axis where `split` and that
+        """Per leaf: split along its first axis over the mesh's data axis where `split` and that
         axis divides evenly, else a full copy on each device. XLA then gathers the weights for
         the step and reduce-scatters the gradients onto the shards."""
         n = self.mesh.size
 
         def sharding(leaf) -> NamedSharding:
             if split and leaf.ndim and leaf.shape[0] % n == 0:
-                return NamedSharding(self.mesh, P("data"))
+                return NamedSharding(self.mesh, P(self.data))
             return self.replicated
 
         return jax.tree.map(sharding, tree)
 
     def tp_shardings(self, params: dict, splits: dict[str, int], data: bool) -> dict:
         """Per weight: its tensor-parallel split (`splits`: name -> axis) over the `model` mesh
-        axis, and where `data`, the first other axis the `data` axis's size divides split over
-        `data` (FSDP across the data groups: a colwise weight [out, in] is P('model', 'data'),
-        a rowwise one P('data', 'model')); an axis nothing divides stays whole."""
-        size = self.mesh.shape["data"]
+        axis, and where `data`, the first other axis the data axis's size divides split over
+        it (FSDP across the data groups: a colwise weight [out, in] is P('tp', 'fsdp'), a
+        rowwise one P('fsdp', 'tp')); an axis nothing divides stays whole."""
+        size = self.mesh.shape[self.data]
 
         def sharding(name: str, leaf) -> NamedSharding:
             axes: list[str | None] = [None] * leaf.ndim
             if name in splits:
-                axes[splits[name]] = "model"
+                axes[splits[name]] = Axis.TENSOR
             if data:
                 free = [i for i, n in enumerate(leaf.shape) if axes[i] is None and n % size == 0]
                 if free:
-                    axes[free[0]] = "data"
+                    axes[free[0]] = self.data
             return NamedSharding(self.mesh, P(*axes))
 
         return {name: sharding(name, leaf) for name, leaf in params.items()}

@@ -14,6 +14,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from accel.backends.jax.optimizer import OptaxGroups
+from accel.parallel.mesh import Axis
 
 # (params, consts, batch, key) -> loss, (loss, extras vector) or (loss, extras, consts written)
 LossFnJax = Callable[[dict, dict, tuple, Any], Any]
@@ -46,17 +47,18 @@ def make_train_step(
     is traced: the weights the loss did not read, left as they are by the update (no weight
     decay, no moments), as torch's optimizers leave a parameter without a gradient.
 
-    `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `data` axis; each
+    `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `dp` axis; each
     device takes its part's gradients, then the explicit mean over the devices (shard_map +
-    pmean, the xla backend's all-reduce). A mesh with a `model` axis too (tensor parallelism)
+    pmean, the xla backend's all-reduce). A mesh with a tensor axis too (tensor parallelism)
     runs the gradients as one program over the global batch instead, the weights split as
     `grad_shardings` says, and XLA's partitioner adds the collectives. Then torch's clipping,
     the optimizer (one rate per group, `lrs`), the EMA (empty `ema`: none), and a non-finite
     loss or gradient leaves everything as it was, with no host sync. `count` (updates applied)
     keys the random draws; `grad_shardings`: where the gradients go for a sharded update
-    (shard=, tp=); `weight_shardings` (a `model` axis only): where the weights are while the
+    (shard=, tp=); `weight_shardings` (a tensor axis only): where the weights are while the
     gradients are computed."""
     base_key = jax.random.key(seed)
+    data = mesh.axis_names[0]  # the batch's axis (dp, or fsdp where the weights split too)
 
     written_names: set[str] = set()  # the constants the loss writes, known once traced
 
@@ -91,16 +93,16 @@ def make_train_step(
     def local_grads(params, consts, batch, count):
         # Random draws differ per step, device and micro-step, and follow from the seed and the
         # count alone (saved as the backend's random state).
-        key = jax.random.fold_in(jax.random.fold_in(base_key, count), jax.lax.axis_index("data"))
+        key = jax.random.fold_in(jax.random.fold_in(base_key, count), jax.lax.axis_index(data))
         loss, extras, grads, consts = mean_grads(params, consts, batch, key, lambda g: g)
         # The explicit all-reduce: every device ends with the mean gradient of the global batch,
         # and the mean of the statistics each device's forward wrote.
         written = {
-            n: jax.lax.pmean(v, "data") if jnp.issubdtype(v.dtype, jnp.floating) else v
+            n: jax.lax.pmean(v, data) if jnp.issubdtype(v.dtype, jnp.floating) else v
             for n, v in consts.items()
             if n in written_names
         }
-        loss, extras, grads = jax.lax.pmean((loss, extras, grads), "data")
+        loss, extras, grads = jax.lax.pmean((loss, extras, grads), data)
         return loss, extras, grads, {**consts, **written}
 
     def partitioned_grads(params, consts, batch, count):
@@ -108,9 +110,9 @@ def make_train_step(
         # device's part, and the partitioner adds the collectives. A shard_map would gather
         # every weight whole onto each device. No device index here: the draws follow from the
         # count and micro-step.
-        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P(None, "data")))
+        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P(None, data)))
         if weight_shardings is not None:
-            # FSDP's order: weights split over 'data' are gathered for the forward and their
+            # FSDP's order: weights split over the data axis are gathered for the forward and their
             # gradients reduce-scattered back, each device keeping its part of the batch; left
             # free, the partitioner may gather the batch instead and run all of it on each
             # device.
@@ -126,12 +128,12 @@ def make_train_step(
     rep = P()
     grads_fn = (
         partitioned_grads
-        if "model" in mesh.axis_names
+        if Axis.TENSOR in mesh.axis_names
         else jax.shard_map(
             local_grads,
             mesh=mesh,
             check_vma=False,
-            in_specs=(rep, rep, P(None, "data"), rep),  # every array of the batch split
+            in_specs=(rep, rep, P(None, data), rep),  # every array of the batch split
             out_specs=(rep, rep, rep, rep),
         )
     )

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.amp import AmpPolicy
-from accel.backends.base import Batch, LossFn, MetricFn, ModelInit
+from accel.backends.base import Batch, LossFn, MetricFn, ModelInit, classifier_parameters
 from accel.backends.torch_family import reductions
 from accel.backends.torch_family.core import TorchCore, accumulate
 from accel.config import BackendConfig
@@ -106,8 +106,7 @@ class Layout:
     def classifier(self) -> list[nn.Parameter]:
         """The classifier's parameters, whose share of the state is reported apart: those a
         model gives as `classifier_parameters()` (none for a model without the method)."""
-        given = getattr(self.module, "classifier_parameters", None)
-        return list(given()) if callable(given) else []
+        return classifier_parameters(self.module)
 
 
 def remat(model: nn.Module, choice: str) -> None:

@@ -43,7 +43,7 @@ from accel.parallel.materialize import (
     pieces_from_rank0,
     place,
 )
-from accel.parallel.mesh import MeshAxis, ParallelDims
+from accel.parallel.mesh import Axis, MeshAxis, ParallelDims
 
 
 class SplitLayout(Layout):
@@ -55,7 +55,8 @@ class SplitLayout(Layout):
     ):
         super().__init__(cfg, dims, device, amp)
         mesh = dims.build(device.type)
-        self.dp, self.tp, self.pp = (MeshAxis.of(mesh, n) for n in ("dp", "tp", "pp"))
+        axes = (dims.data_axis, Axis.TENSOR, Axis.PIPELINE)
+        self.dp, self.tp, self.pp = (MeshAxis.of(mesh, n) for n in axes)
         self.dp_group = self.dp.group
         self.data_parallel = (self.dp.rank, self.dp.size)
         self.head: SplitHead | None = None

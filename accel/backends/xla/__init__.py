@@ -4,14 +4,14 @@ One graph per optimizer step (cut by torch_xla.sync), uint8 batches through MpDe
 autocast for AMP, and compile accounting from torch_xla's metrics.
 
 `devices=N` trains on an N-device SPMD mesh from this one process (torch_xla's SPMD mode, as it
-scales on TPU pods): MpDeviceLoader hands over each global batch split along the mesh's `data`
+scales on TPU pods): MpDeviceLoader hands over each global batch split along the mesh's `dp`
 axis, the weights are replicated, and the step's gradient all-reduce is the one XLA's SPMD
 partitioner inserts into the step graph (the loss is the global batch's mean, so the partitioner
-turns the gradient into per-device sums and an all-reduce over `data`). `shard='full'` is
+turns the gradient into per-device sums and an all-reduce over `dp`). `shard='full'` is
 torch_xla's FSDPv2 on the same mesh (axis `fsdp`): weights and optimizer state split on their
-first axis. `tp=M` makes the mesh 2-D, `data` x `model` (M devices along `model`): each linear
+first axis. `tp=M` makes the mesh 2-D, `dp` x `tp` (M devices along `tp`): each linear
 layer of the plan (accel.parallel.tensor_parallel) has its weight, its optimizer moments and its
-EMA split along `model` (Megatron's columns and rows), batches split along `data` only, and the
+EMA split along `tp` (Megatron's columns and rows), batches split along `dp` only, and the
 partitioner makes the collectives of both axes. On PJRT CPU the mesh's devices are
 CPU_NUM_DEVICES.
 
@@ -30,7 +30,7 @@ composition).
 from __future__ import annotations
 
 from accel.backends.base import Supports
-from accel.backends.xla.backend import XlaBackend, classifier_parameters
+from accel.backends.xla.backend import XlaBackend
 from accel.backends.xla.compiles import compile_count, fallback_ops
 from accel.backends.xla.runtime import INSTALL, check_versions, context, require
 from accel.config import BackendConfig
@@ -57,7 +57,6 @@ __all__ = [
     "XlaBackend",
     "build",
     "check_versions",
-    "classifier_parameters",
     "compile_count",
     "context",
     "fallback_ops",

@@ -20,6 +20,7 @@ from accel.backends.base import (
     MetricFn,
     ModelInit,
     StepResult,
+    classifier_parameters,
 )
 from accel.backends.torch_family.core import TorchCore, live_tensors
 from accel.backends.xla.batches import XlaBatches
@@ -32,15 +33,6 @@ from accel.config import BackendConfig
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
-
-
-def classifier_parameters(model: nn.Module) -> list[nn.Parameter]:
-    """The parameters of the model's final classifier, where the model names them: a model with
-    a `classifier_parameters()` method (returning its classifier's parameters) has their share
-    of the training state reported apart (state_bytes' 'classifier'); any other model, none.
-    The models accel.models.create_model makes have the method; a user's may define it alike."""
-    named = getattr(model, "classifier_parameters", None)
-    return list(named()) if callable(named) else []
 
 
 class XlaBackend:

@@ -16,7 +16,7 @@ from accel.backends.xla.runtime import check_autograd, check_tp, torch_xla, xm, 
 from accel.config import BackendConfig
 from accel.distributed import DistContext
 from accel.parallel import effective_shard
-from accel.parallel.mesh import ParallelDims
+from accel.parallel.mesh import Axis, ParallelDims
 
 
 class ParamGroups:
@@ -28,8 +28,8 @@ class ParamGroups:
 
 
 class XlaDevices:
-    """The device, and with devices=N (N > 1) the SPMD mesh one process drives: its `data` axis
-    (`fsdp` with shard='full') that batches split along, and with tp=M its `model` axis of M
+    """The device, and with devices=N (N > 1) the SPMD mesh one process drives: its `dp` axis
+    (`fsdp` with shard='full') that batches split along, and with tp=M its `tp` axis of M
     devices. Processes started by torchrun (TPU hosts) each drive one device, and reduce across
     each other with explicit collectives."""
 
@@ -41,17 +41,17 @@ class XlaDevices:
         self.spmd = xr.is_spmd() and not ctx.distributed
         check_tp(cfg.mesh, ctx.distributed)
         self.count = cfg.mesh.devices if self.spmd else 1
-        # Devices the global batch is split over: the mesh's `data` axis.
+        # Devices the global batch is split over: the mesh's `dp` axis.
         self.replicas = self.count
         self.shard = effective_shard(cfg.mesh.shard, self.replicas)
-        self.axis = "fsdp" if self.shard == "full" else "data"
+        self.axis = Axis.DATA_SHARD if self.shard == "full" else Axis.DATA
         self.tp = cfg.mesh.tp if self.spmd else 1
         if self.spmd:
             n = self.count
             if self.tp > 1:
                 dims = ParallelDims.of(cfg.mesh, n)
                 self.replicas = dims.dp
-                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, "model"))
+                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, Axis.TENSOR))
             else:
                 self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
 

@@ -1,6 +1,6 @@
 """How the model and its training state are laid out on the xla backend's devices: the model moved
 to the device (replica 0's weights on every process), the weights of the tp plan split along the
-mesh's `model` axis with everything kept of their shape, FSDPv2 (shard='full') splitting every
+mesh's `tp` axis with everything kept of their shape, FSDPv2 (shard='full') splitting every
 weight on its first axis, and the named state a checkpoint holds, split again once loaded."""
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from accel.backends.torch_family.core import TorchCore, init_optimizer_state
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import xm, xs
 from accel.config import BackendConfig
+from accel.parallel.mesh import Axis
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.ties import retie, tied_names
 
@@ -49,7 +50,7 @@ class XlaLayout:
 
     def __init__(self, cfg: BackendConfig, devices: XlaDevices, core: TorchCore):
         self.tp_plan, self.devices, self.core = cfg.mesh.tp_plan, devices, core
-        self.splits: dict[str, int] = {}  # split parameter name -> its axis along `model`
+        self.splits: dict[str, int] = {}  # split parameter name -> its axis along `tp`
 
     def place(self, model: nn.Module, dtype: torch.dtype) -> None:
         """`model` on the device in `dtype`, its weights split as the mesh says: `module` the
@@ -116,7 +117,7 @@ class XlaLayout:
                 xs.mark_sharding(param, devices.mesh, devices.split_first(param))
 
     def mark_tp(self) -> None:
-        """Each weight of the tp plan split along the mesh's `model` axis on its axis, and the
+        """Each weight of the tp plan split along the mesh's `tp` axis on its axis, and the
         tensors laid out as it (its fp32 master, its optimizer moments, its EMA) alike; the rest
         stays replicated. Marking a tensor split the same way again changes nothing."""
         if not self.splits:
@@ -124,7 +125,7 @@ class XlaLayout:
         params = dict(self.module.named_parameters())
         for name, axis in self.splits.items():
             param = params[name]
-            spec = tuple("model" if i == axis else None for i in range(param.dim()))
+            spec = tuple(Axis.TENSOR if i == axis else None for i in range(param.dim()))
             for tensor in self.laid_out_as(param):
                 xs.mark_sharding(tensor, self.devices.mesh, spec)
 
