@@ -45,7 +45,8 @@ from accel.distributed import init_process_group
 from accel.engine import EmaDecayFn, Engine
 from accel.loop import LoopPart
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
-from accel.parallel.tensor_parallel import resolve_plan
+from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+from accel.ties import tied_names
 from accel.user_model import TrainedOnRead
 
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
@@ -187,8 +188,10 @@ def prepare(
             "one): there is nothing to train"
         )
     check_float32(model)
+    splits: dict[str, int] = {}
     if cfg.mesh.tp > 1:  # what splits, refused in one line before anything is built
-        resolve_plan(model, cfg.mesh.tp_plan, cfg.mesh.tp)
+        splits = weight_splits(model, resolve_plan(model, cfg.mesh.tp_plan, cfg.mesh.tp))
+    check_ties(model, cfg, splits)
     spec = OptimizerSpec.of(optimizer, model)
     refused = spec.refusals()
     if refused:
@@ -218,6 +221,23 @@ def prepare(
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
     return engine
+
+
+def check_ties(model: nn.Module, cfg: BackendConfig, splits: dict[str, int]) -> None:
+    """A tensor the model holds under two names (tied weights) stays one tensor on every
+    layout but two: a pipeline may put the two names on different stages, and tp= splitting
+    one of them would leave the other whole. Those are refused in one line, naming both."""
+    for alias, name in tied_names(model).items():
+        if cfg.mesh.pp > 1:
+            why = "a pipeline may put them on different stages"
+        elif alias in splits or name in splits:
+            why = "tp= would split one and leave the other whole"
+        else:
+            continue
+        raise AccelError(
+            f"{alias} is tied to {name} (one tensor under two names): {why}; untie them "
+            "(give each its own parameter) or train without it"
+        )
 
 
 def check_float32(model: nn.Module) -> None:

@@ -453,3 +453,11 @@ def test_a_skipped_step_is_said_at_the_first(capsys):
         vector_batches(3), loss_fn=nan_at_second)  # fmt: skip
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "step 2 skipped its update" in err[0]
+
+
+def test_a_tie_a_layout_cannot_keep_is_refused_naming_both_parameters():
+    model = TiedNet()
+    plan = {"out": "colwise"}  # splits the output layer's weight, not the embedding it shares
+    with pytest.raises(accel.AccelError, match=r"out.weight is tied to emb.weight.*tp="):
+        accel.prepare(model, torch.optim.AdamW(model.parameters()), cross_entropy,
+                      backend="jax", tp=2, tp_plan=plan, quiet=True)  # fmt: skip

@@ -44,14 +44,16 @@ class XlaDevices:
         # Devices the global batch is split over: the mesh's `dp` axis.
         self.replicas = self.count
         self.shard = effective_shard(cfg.mesh.shard, self.replicas)
-        self.axis = Axis.DATA_SHARD if self.shard == "full" else Axis.DATA
+        # Plain strings: torch_xla's mesh takes an axis name only of type str.
+        self.axis = str(Axis.DATA_SHARD if self.shard == "full" else Axis.DATA)
+        self.tensor_axis = str(Axis.TENSOR)
         self.tp = cfg.mesh.tp if self.spmd else 1
         if self.spmd:
             n = self.count
             if self.tp > 1:
                 dims = ParallelDims.of(cfg.mesh, n)
                 self.replicas = dims.dp
-                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, Axis.TENSOR))
+                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, self.tensor_axis))
             else:
                 self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
 

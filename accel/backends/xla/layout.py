@@ -16,7 +16,6 @@ from accel.backends.torch_family.core import TorchCore, init_optimizer_state
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import xm, xs
 from accel.config import BackendConfig
-from accel.parallel.mesh import Axis
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.ties import retie, tied_names
 
@@ -125,7 +124,8 @@ class XlaLayout:
         params = dict(self.module.named_parameters())
         for name, axis in self.splits.items():
             param = params[name]
-            spec = tuple(Axis.TENSOR if i == axis else None for i in range(param.dim()))
+            tensor = self.devices.tensor_axis
+            spec = tuple(tensor if i == axis else None for i in range(param.dim()))
             for tensor in self.laid_out_as(param):
                 xs.mark_sharding(tensor, self.devices.mesh, spec)
 
