@@ -72,25 +72,20 @@ def checkpoint_blocks(model: nn.Module, choice: str) -> None:
     backward. Nothing changes under no_grad (evaluation) or with "none"."""
     if choice == "none":
         return
-    from torch.utils.checkpoint import (
-        checkpoint,
-        create_selective_checkpoint_contexts,
-        noop_context_fn,
-    )
+    from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
 
-    # "dots": torch's selective checkpointing keeps the matmuls; "full": its default contexts.
-    context: Any = (
-        functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
-        if choice == "dots"
-        else noop_context_fn
-    )
+    # "dots": torch's selective checkpointing keeps the matmuls; "full": checkpoint's defaults
+    # (torch.compile traces a checkpoint given no context_fn; given its default, it refuses).
+    extra: dict[str, Any] = {}
+    if choice == "dots":
+        extra["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
     for _, block in remat_blocks(model):
         forward = block.forward
 
         def recomputed(*args: Any, _forward=forward, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return _forward(*args, **kwargs)
-            return checkpoint(_forward, *args, use_reentrant=False, context_fn=context, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **extra, **kwargs)
 
         # The block's own forward, replaced on the instance (its class is left as it is).
         block.forward = recomputed  # type: ignore[method-assign]

@@ -461,3 +461,21 @@ def test_a_tie_a_layout_cannot_keep_is_refused_naming_both_parameters():
     with pytest.raises(accel.AccelError, match=r"out.weight is tied to emb.weight.*tp="):
         accel.prepare(model, torch.optim.AdamW(model.parameters()), cross_entropy,
                       backend="jax", tp=2, tp_plan=plan, quiet=True)  # fmt: skip
+
+
+@SLOW
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_float_inputs_at_o1_train_as_on_eager(backend):
+    """A timm ViT given float32 images at O1 (autocast casts them on eager; jax's bfloat16
+    weights meet them in the patch embedding's convolution)."""
+    import timm
+
+    def vit(kind: str) -> list[float]:
+        torch.manual_seed(0)
+        model = timm.create_model(
+            "vit_tiny_patch16_224", img_size=32, patch_size=8, depth=2, num_classes=5
+        )
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return run(kind, model, optimizer, image_batches(3, side=32), amp="O1")[1]
+
+    assert vit(backend) == pytest.approx(vit("eager"), rel=2e-2)  # bfloat16 matmuls

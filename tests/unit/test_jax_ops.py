@@ -82,3 +82,63 @@ def test_lstsq_solves_inside_a_trace_as_torch_does(env):
     (value, grad), (want, want_grad) = value_and_grad(env, solved, a, b)
     assert value == pytest.approx(want, rel=1e-4)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.parametrize("affine", [True, False])
+def test_layer_norm_gives_torchs_values_and_gradients(env, affine):
+    x = np.random.default_rng(5).standard_normal((4, 7, 16)).astype(np.float32) * 3 + 1
+    w = np.random.default_rng(6).standard_normal(16).astype(np.float32)
+    b = np.random.default_rng(7).standard_normal(16).astype(np.float32)
+
+    def normed(t: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.layer_norm(t, (16,), weight if affine else None,
+                                             bias if affine else None, eps=1e-5)  # fmt: skip
+        return (out**3 * weight).sum()  # every output's gradient its own, and the weight's
+
+    (value, grad), (want, want_grad) = value_and_grad(env, normed, x, w, b)
+    assert value == pytest.approx(want, rel=1e-4)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-3, atol=1e-4)
+    (_, grad_w), (_, want_w) = value_and_grad(env, lambda weight, t, bias: normed(t, weight, bias),
+                                              w, x, b)  # fmt: skip
+    np.testing.assert_allclose(grad_w, want_w, rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("left", "right"),
+    [
+        ((torch.bfloat16, 3), 0.125),  # a scale: torch keeps bf16
+        ((torch.int32, 3), 0.5),  # an integer tensor and a float: the default float
+        ((torch.bfloat16, 3), (torch.float32, 0)),  # a 0-dim float32 tensor: bf16 still
+        ((torch.int32, 0), (torch.bfloat16, 3)),
+        ((torch.bfloat16, 3), (torch.float32, 3)),  # two tensors: promoted
+        ((torch.int32, 3), 2),
+        ((torch.bool, 3), 2),
+    ],
+    ids=str,
+)
+@pytest.mark.parametrize("op", ["mul", "add", "div"])
+def test_arithmetic_keeps_torchs_result_dtype(env, op, left, right):
+    from accel.backends.jax import runtime
+
+    def make(spec):
+        if not isinstance(spec, tuple):
+            return spec
+        dtype, rank = spec
+        return torch.ones((2,) * rank, dtype=dtype) * (1 if dtype == torch.bool else 3)
+
+    a, b = make(left), make(right)
+    want = getattr(torch, op)(a, b)
+
+    def array(t: torch.Tensor) -> jax.Array:
+        return jnp.asarray(t.float().numpy()).astype(str(t.dtype).split(".")[1])
+
+    def traced(x):
+        with env, torch.device("jax"):
+            x_ = runtime.interop.torch_view(x)
+            other = runtime.interop.torch_view(array(b)) if torch.is_tensor(b) else b
+            return runtime.interop.jax_view(getattr(torch, op)(x_, other))
+
+    with overridden(env, EAGER_LOWERINGS):
+        got = jax.jit(traced)(array(a))
+    assert str(got.dtype) == str(want.dtype).split(".")[1].replace("int64", "int32")
+    np.testing.assert_allclose(np.asarray(got, np.float32), want.float().numpy(), rtol=1e-2)

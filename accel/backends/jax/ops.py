@@ -5,6 +5,14 @@ one way the backend puts its lowerings in torchax's table while it traces:
   distance to itself) is NaN, so every step was skipped; torch's backward gives 0 there.
 - linalg.lstsq: torchax reads the rank back to the host (`rank.item()`), which no traced step
   can; here it stays an array.
+- layer_norm: torchax's keeps, for its backward, the centred and the normalised input in the
+  compute dtype beside the float32 centred value (three activations a norm, where a plain Flax
+  step keeps one); here the statistics are float32, the output in the input's dtype, and the
+  backward keeps the input and two float32 statistics a row.
+- add, mul, div with a Python number: torchax makes the result float32 whatever the tensor's
+  dtype (a bf16 activation times a scale became float32, and every matmul after it ran in
+  float32); here torch's rule: a number or a 0-dim tensor keeps the tensor's dtype within its
+  kind (bool < integer < floating). add's alpha=1 multiplies nothing.
 - max_pool2d: torchax computes the argmax indices beside the maxima in a reduction JAX cannot
   differentiate, even where nothing reads them (a ResNet's stem could not train); here the
   maxima alone, the indices only where asked for.
@@ -13,6 +21,7 @@ one way the backend puts its lowerings in torchax's table while it traces:
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -24,17 +33,27 @@ import torch
 import accel.backends.jax.runtime as runtime
 
 
+class OfArrays:
+    """A lowering written as a function of JAX arrays (and Python numbers), not of torch
+    tensors."""
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+
 @contextlib.contextmanager
-def overridden(env: Any, table: Mapping[Any, Callable]) -> Iterator[None]:
+def overridden(env: Any, table: Mapping[Any, Callable | OfArrays]) -> Iterator[None]:
     """torchax's lowering of each op of `table` (a torch function or an aten op) replaced by its
-    own (a function of torch tensors) within the block, torchax's restored after it."""
+    own (a function of torch tensors, or OfArrays: of JAX arrays) within the block, torchax's
+    restored after it."""
     saved = {op: env._ops.get(op) for op in table}
     for op, lowering in table.items():
+        arrays = isinstance(lowering, OfArrays)
         # What env.override_op_definition does; torchax 0.0.13's version omits is_view_op.
         env._ops[op] = runtime.ops_registry.Operator(
             op,
-            lowering,
-            is_jax_function=False,
+            lowering.fn if isinstance(lowering, OfArrays) else lowering,
+            is_jax_function=arrays,
             is_user_defined=True,
             needs_env=False,
             is_view_op=False,
@@ -74,6 +93,123 @@ def jax_cdist(x1: jax.Array, x2: jax.Array, p: float, by_matmul: bool) -> jax.Ar
     if p == 1:
         return jnp.sum(diff, -1)
     return safe_root(jnp.sum(diff**p, -1), p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def jax_layer_norm(x: jax.Array, w: jax.Array, b: jax.Array, dims: int, eps: float) -> jax.Array:
+    """Layer norm over the last `dims` axes, the statistics in float32, the output in x's
+    dtype; its backward from x and the statistics alone."""
+    return layer_norm_forward(x, w, b, dims, eps)[0]
+
+
+def layer_norm_forward(x, w, b, dims: int, eps: float) -> tuple:
+    axes = tuple(range(x.ndim - dims, x.ndim))
+    wide = x.astype(jnp.float32)
+    mean = wide.mean(axes, keepdims=True)
+    centred = wide - mean
+    rstd = jax.lax.rsqrt((centred * centred).mean(axes, keepdims=True) + eps)
+    y = centred * rstd * w.astype(jnp.float32) + b.astype(jnp.float32)
+    return y.astype(x.dtype), (x, mean, rstd, w, b)
+
+
+def layer_norm_backward(dims: int, eps: float, saved: tuple, grad: jax.Array) -> tuple:
+    x, mean, rstd, w, b = saved
+    axes = tuple(range(x.ndim - dims, x.ndim))
+    rows = tuple(range(x.ndim - dims))
+    normed = (x.astype(jnp.float32) - mean) * rstd
+    g = grad.astype(jnp.float32)
+    g_normed = g * w.astype(jnp.float32)
+    dx = rstd * (
+        g_normed
+        - g_normed.mean(axes, keepdims=True)
+        - normed * (g_normed * normed).mean(axes, keepdims=True)
+    )
+    dw = (g * normed).sum(rows)
+    return dx.astype(x.dtype), dw.astype(w.dtype), g.sum(rows).astype(b.dtype)
+
+
+jax_layer_norm.defvjp(layer_norm_forward, layer_norm_backward)
+
+
+def layer_norm(
+    input: torch.Tensor,
+    normalized_shape: Any,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """F.layer_norm (a missing weight or bias as ones or zeros)."""
+    dims = len(normalized_shape) if isinstance(normalized_shape, list | tuple) else 1
+    shape = tuple(input.shape[-dims:])
+    if weight is None:
+        weight = torch.ones(shape, dtype=input.dtype, device=input.device)
+    if bias is None:
+        bias = torch.zeros(shape, dtype=input.dtype, device=input.device)
+    norm = lambda x, w, b: jax_layer_norm(x, w, b, dims, eps)  # noqa: E731
+    return runtime.interop.call_jax(norm, input, weight, bias)
+
+
+def kind(dtype: Any) -> int:
+    """torch's categories of dtypes: bool 0, integer 1, floating 2, complex 3."""
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.bool_:
+        return 0
+    if jnp.issubdtype(dtype, jnp.integer):
+        return 1
+    return 3 if jnp.issubdtype(dtype, jnp.complexfloating) else 2
+
+
+def combine(higher: Any, lower: Any) -> Any:
+    """torch's combine_categories: the higher-priority group's dtype, unless the lower's is of
+    a higher kind (then the two promoted)."""
+    if higher is None or lower is None:
+        return lower if higher is None else higher
+    if kind(higher) >= 2 and kind(higher) >= kind(lower):
+        return higher
+    if kind(lower) > kind(higher) or kind(higher) == 0:
+        return jnp.promote_types(higher, lower)
+    return higher
+
+
+def torch_result_dtype(*operands: Any) -> Any:
+    """The dtype torch gives a binary op's result: tensors of rank above 0 first, then 0-dim
+    tensors, then Python numbers (a float as the default float32)."""
+    groups: list[Any] = [None, None, None]
+    for value in operands:
+        if isinstance(value, bool | int | float | complex):
+            default = {bool: jnp.bool_, int: jnp.int32, float: jnp.float32}
+            dtype, group = jnp.dtype(default.get(type(value), jnp.complex64)), 2
+        else:
+            dtype, group = jnp.dtype(value.dtype), 0 if value.ndim else 1
+        groups[group] = dtype if groups[group] is None else jnp.promote_types(groups[group], dtype)
+    return jax.dtypes.canonicalize_dtype(combine(groups[0], combine(groups[1], groups[2])))
+
+
+def as_dtype(value: Any, dtype: Any) -> Any:
+    return value if isinstance(value, bool | int | float | complex) else value.astype(dtype)
+
+
+def mul(x: Any, y: Any) -> jax.Array:
+    dtype = torch_result_dtype(x, y)
+    return jnp.multiply(as_dtype(x, dtype), as_dtype(y, dtype)).astype(dtype)
+
+
+def add(x: Any, y: Any, *, alpha: Any = 1) -> jax.Array:
+    dtype = torch_result_dtype(x, y)
+    y = y if alpha == 1 else y * alpha
+    return jnp.add(as_dtype(x, dtype), as_dtype(y, dtype)).astype(dtype)
+
+
+def div(x: Any, y: Any, rounding_mode: str | None = None) -> jax.Array:
+    dtype = torch_result_dtype(x, y)
+    x, y = as_dtype(x, dtype), as_dtype(y, dtype)
+    if rounding_mode == "floor":
+        return jnp.floor_divide(x, y)
+    if rounding_mode == "trunc":
+        truncated = jnp.trunc(jnp.true_divide(x, y))
+        return truncated.astype(dtype) if kind(dtype) < 2 else truncated
+    quotient = jnp.true_divide(x, y)  # true division of integers: the default float
+    return quotient if kind(dtype) < 2 else quotient.astype(dtype)
 
 
 # aten._cdist_forward's compute_mode, an int, by torch.cdist's names for it
@@ -190,12 +326,19 @@ def max_pool2d(
 
 
 # Torch's functions and ATen's ops, each lowered as above while the jax backend traces.
-EAGER_LOWERINGS: dict[Any, Callable] = {
+EAGER_LOWERINGS: dict[Any, Callable | OfArrays] = {
+    torch.ops.aten.mul.Tensor: OfArrays(mul),
+    torch.ops.aten.mul.Scalar: OfArrays(mul),
+    torch.ops.aten.add.Tensor: OfArrays(add),
+    torch.ops.aten.add.Scalar: OfArrays(add),
+    torch.ops.aten.div: OfArrays(div),
     torch.cdist: cdist,
     torch.ops.aten.cdist: cdist,
     torch.ops.aten._cdist_forward: cdist,
     torch.linalg.lstsq: lstsq,
     torch.ops.aten.linalg_lstsq: lstsq,
+    torch.nn.functional.layer_norm: layer_norm,
+    torch.layer_norm: layer_norm,
     torch.nn.functional.max_pool2d: max_pool2d,
     torch.max_pool2d: max_pool2d,
 }

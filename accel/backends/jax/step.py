@@ -83,8 +83,14 @@ def make_train_step(
             loss, grads = jax.tree.map(jnp.add, (loss_sum, grads_sum), (loss, grads))
             return (loss, constrain(grads), {**consts, **written}), extras  # extras stacked
 
-        zeros = (jnp.zeros((), jnp.float32), constrain(jax.tree.map(jnp.zeros_like, params)))
         steps = batch[0].shape[0]
+        if steps == 1:  # no accumulation: the one micro-step as it is, no loop around it
+            value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+            one = tuple(t[0] for t in batch)
+            key_0 = jax.random.fold_in(key, 0)  # the draws a first micro-step makes
+            (loss, (extras, written)), grads = value_and_grad(params, consts, one, key_0)
+            return loss, extras, constrain(grads), {**consts, **written}
+        zeros = (jnp.zeros((), jnp.float32), constrain(jax.tree.map(jnp.zeros_like, params)))
         micro = (batch, jnp.arange(steps))
         (loss, grads, consts), extras = jax.lax.scan(micro_step, (*zeros, consts), micro)
         loss, grads = jax.tree.map(lambda x: x / steps, (loss, grads))
@@ -125,10 +131,17 @@ def make_train_step(
             return grads
         return jax.lax.with_sharding_constraint(grads, grad_shardings)
 
+    def one_device_grads(params, consts, batch, count):
+        # One device: the mean over the devices is the device's own (no collective).
+        key = jax.random.fold_in(jax.random.fold_in(base_key, count), 0)
+        return mean_grads(params, consts, batch, key, lambda g: g)
+
     rep = P()
     grads_fn = (
         partitioned_grads
         if Axis.TENSOR in mesh.axis_names
+        else one_device_grads
+        if mesh.size == 1
         else jax.shard_map(
             local_grads,
             mesh=mesh,

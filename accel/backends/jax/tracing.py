@@ -75,6 +75,31 @@ class Objective(torch.nn.Module):
 METADATA = {"__get__", "size", "dim", "numel", "__len__", "ndimension", "nelement"}
 
 
+# The layers autocast runs in low precision whatever their input's dtype (torch's autocast
+# casts their inputs to it): with the weights cast to bf16 (O1/O2 on jax), a float32 input
+# meets them there.
+LOW_PRECISION_LAYERS = {
+    torch.nn.functional.linear, torch.nn.functional.conv1d, torch.nn.functional.conv2d,
+    torch.nn.functional.conv3d, torch.nn.functional.conv_transpose1d,
+    torch.nn.functional.conv_transpose2d, torch.nn.functional.conv_transpose3d,
+}  # fmt: skip
+
+
+class InputsAsWeights(TorchFunctionMode):
+    """O1/O2 on jax (weights cast to the compute dtype): a linear or convolution layer's
+    floating input is cast to its weight's dtype, as autocast casts it on eager (otherwise a
+    float32 input would meet a bfloat16 weight: torch refuses the mix in a convolution, and a
+    matmul would run in float32)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in LOW_PRECISION_LAYERS and len(args) >= 2:
+            x, weight = args[0], args[1]
+            if x.is_floating_point() and x.dtype != weight.dtype:
+                args = (x.to(weight.dtype), *args[1:])
+        return func(*args, **kwargs)
+
+
 class ParameterReads(TorchFunctionMode):
     """Which of the weights `params` ({name: tensor}) the traced code hands to a torch
     function. A weight handed to none has no gradient in torch, whose optimizers then leave it
@@ -302,7 +327,8 @@ class Tracer:
         with modes_kept(self.module):
             if key is None:
                 self.module.eval()  # read while tracing
-            with self.env, randomness, torch.device("jax"), AsEager():
+            cast = InputsAsWeights() if self.amp.autocast else nullcontext()
+            with self.env, randomness, torch.device("jax"), AsEager(), cast:
                 out, written = self.objective(fn)(params, consts, *batch)
         return out, {n: v.astype(kept[n].dtype) for n, v in written.items()}
 

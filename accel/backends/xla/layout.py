@@ -121,11 +121,10 @@ class XlaLayout:
         stays replicated. Marking a tensor split the same way again changes nothing."""
         if not self.splits:
             return
-        params = dict(self.module.named_parameters())
+        params, along = dict(self.module.named_parameters()), self.devices.tensor_axis
         for name, axis in self.splits.items():
             param = params[name]
-            tensor = self.devices.tensor_axis
-            spec = tuple(tensor if i == axis else None for i in range(param.dim()))
+            spec = tuple(along if i == axis else None for i in range(param.dim()))
             for tensor in self.laid_out_as(param):
                 xs.mark_sharding(tensor, self.devices.mesh, spec)
 
