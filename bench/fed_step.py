@@ -26,8 +26,9 @@ from accel.models.factory import ModelConfig, input_size  # noqa: E402
 
 
 def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int, profile: int = 0) -> dict:
-    """{"fed_images_per_sec": ...}, and with `profile` (jax) the device's top ops over 5 more
-    steps traced by jax.profiler."""
+    """{"fed_images_per_sec": ..., "peak_memory_bytes": ...}, and with `profile` the device's
+    top ops over 5 more steps (jax: traced by jax.profiler; eager and compile: torch's
+    profiler)."""
     engine = build_engine(cfg, schedule=lambda step: 1e-4)
     size = input_size(cfg.model)[-1]
     images = torch.randint(0, 256, (cfg.batch_size, 3, size, size), dtype=torch.uint8)
@@ -43,9 +44,41 @@ def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int, profile: int = 0
     start = time.perf_counter()
     run(steps)
     result: dict = {"fed_images_per_sec": cfg.batch_size * steps / (time.perf_counter() - start)}
+    result["peak_memory_bytes"] = engine.stats().peak_memory_bytes
     if profile:
-        result["profile"] = device_profile(lambda: run(PROFILED_STEPS), profile)
+        work = lambda: run(PROFILED_STEPS)  # noqa: E731
+        on_jax = cfg.backend == "jax"
+        result["profile"] = (
+            device_profile(work, profile) if on_jax else torch_profile(work, profile)
+        )
     return result
+
+
+def torch_profile(work, top: int) -> dict:
+    """Device time of `work` per kernel (eager, compile), from torch's profiler: the same
+    structure as device_profile's, one line for the CUDA device."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CUDA] if torch.cuda.is_available() else [ProfilerActivity.CPU]
+    with profile(activities=activities) as traced:
+        work()
+    device = activities[0] == ProfilerActivity.CUDA
+    rows = []
+    for event in traced.key_averages():
+        ms = (event.self_device_time_total if device else event.self_cpu_time_total) / 1e3
+        if ms > 0:
+            rows.append((event.key, ms / PROFILED_STEPS, event.count))
+    rows.sort(key=lambda row: -row[1])
+    name = "cuda kernels" if device else "cpu ops"
+    return {
+        name: {
+            "ms_per_step": round(sum(r[1] for r in rows), 3),
+            "top": [
+                {"name": k[:160], "ms_per_step": round(ms, 3), "calls": calls, "stats": {}}
+                for k, ms, calls in rows[:top]
+            ],
+        }
+    }
 
 
 PROFILED_STEPS = 5
@@ -105,8 +138,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--num_classes", type=int, default=1000)
     p.add_argument("--kernel-opt", dest="kernel_opt", action="store_true")
     p.add_argument("--attention", default="auto", help="jax: auto, cudnn or xla")
-    p.add_argument("--profile", type=int, default=0, help="jax: trace 5 more steps, print the "
+    p.add_argument("--profile", type=int, default=0, help="trace 5 more steps, print the "
                    "device's top N ops per line")  # fmt: skip
+    p.add_argument("--remat", default="none", help="none, dots or full")
     p.add_argument("--profile_out", type=Path, help="also write the result as JSON here")
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--warmup", type=int, default=5)
@@ -119,6 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             amp_level=args.amp_level,
             kernel_opt=args.kernel_opt,
             attention=args.attention,
+            remat=args.remat,
             output=out,
         )
         result = fed_images_per_sec(cfg, args.steps, args.warmup, args.profile)

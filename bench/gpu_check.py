@@ -1,12 +1,14 @@
 """What holds on a GPU machine, fitted to one command of at most 9 minutes on an H200.
 
-    python bench/gpu_check.py                   # every stage below but data, in this order:
+    python bench/gpu_check.py                   # profile, remat, bench, tests, in this order:
+    python bench/gpu_check.py --stage profile   # Swin-T's and ViT-B/16's fed steps, jax and
+                                                #   compile: img/s, peak memory, top device ops
+    python bench/gpu_check.py --stage remat     # the same jax steps with remat dots and full
+    python bench/gpu_check.py --stage bench     # Swin-T and ViT-B/16, batch 128, O1: compile
+                                                #   and jax (--backends to change), one launch
     python bench/gpu_check.py --stage tests     # the GPU test tier (pytest -m gpu, 6 workers)
     python bench/gpu_check.py --stage decode    # nvJPEG against PIL: the decode and the resize
     python bench/gpu_check.py --stage attention # jax's attention per shape, XLA against cuDNN
-    python bench/gpu_check.py --stage bench     # Swin-T and ViT-B/16, batch 128, O1: compile
-                                                #   and jax (--backends to change), one launch
-    python bench/gpu_check.py --stage profile   # Swin-T's fed jax step: img/s, top device ops
     python bench/gpu_check.py --stage data      # Swin-T from 2000 real 400-px JPEGs, eager and jax,
                                                 #   decoded on the GPU and by CPU workers
     python bench/gpu_check.py --smoke           # every stage on CPU with the micro models
@@ -39,12 +41,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WHEELS = ROOT / ".whl"
-STAGES = ("tests", "decode", "attention", "bench", "profile", "data")
-EVERY = STAGES[:-1]  # what a plain run does: "data" (real JPEGs) is asked for by name
-STAGE_BUDGET_S = {"tests": 150, "decode": 60, "attention": 90, "bench": 330, "profile": 150,
-                  "data": 480}  # fmt: skip
-SMOKE_BUDGET_S = {"tests": 20, "decode": 10, "attention": 15, "bench": 45, "profile": 20,
-                  "data": 25}  # fmt: skip
+STAGES = ("profile", "remat", "bench", "tests", "decode", "attention", "data")
+# What a plain run does, the first first (where the step's time goes); the rest by name.
+EVERY = STAGES[:4]
+STAGE_BUDGET_S = {"profile": 240, "remat": 150, "bench": 330, "tests": 150, "decode": 60,
+                  "attention": 90, "data": 480}  # fmt: skip
+SMOKE_BUDGET_S = {"profile": 60, "remat": 60, "bench": 45, "tests": 20, "decode": 10,
+                  "attention": 15, "data": 25}  # fmt: skip
 TOTAL_S = 560  # one device command of at most 10 minutes, with the machine's start beside it
 BENCH_MODELS = "swin_tiny_patch4_window7_224,vit_base_patch16_224"
 NEEDED = ("torch", "torchvision", "timm", "jax", "torchax", "optax")
@@ -224,23 +227,54 @@ def _ms(result: dict) -> str:
     return f"{result['train_ms']:.2f} ms{ran}"
 
 
+def fed_steps(smoke: bool, env: dict, budget: Budget, runs: list[tuple], top: int) -> dict:
+    """bench/fed_step.py for each (model, backend, remat): a batch on the device stepped again
+    and again; its img/s and peak memory, and with `top` the device's top ops over 5 steps.
+    Every process shares the compile caches: the bench stage's launches reuse these programs."""
+    rows, lines = [], []
+    batch, amp = ("8", "O0") if smoke else ("128", "O1")
+    for model, backend, remat in runs:
+        out = Path(tempfile.mkdtemp()) / "fed.json"
+        cmd = [sys.executable, "bench/fed_step.py", "--backend", backend, "--model", model,
+               "--batch_size", batch, "--amp_level", amp, "--steps", "20", "--warmup", "3",
+               "--remat", remat, "--profile", str(top), "--profile_out", str(out)]  # fmt: skip
+        code, output = run(cmd, budget, env, f"fed_step {model} {backend} remat {remat}")
+        if code != 0 or not out.is_file():
+            lines.append(f"unfinished: {model} {backend} remat {remat} ({output.strip()[-300:]})")
+            if code is None:
+                break  # out of time: the rest would be too
+            continue
+        record = {**json.loads(out.read_text()), "remat": remat, "batch_size": int(batch)}
+        rows.append(record)
+        peak = record.get("peak_memory_bytes")
+        lines.append(
+            f"{model} {backend} remat {remat} fed step: {record['fed_images_per_sec']:.0f} img/s"
+            + (f", peak {peak / 2**30:.1f} GiB" if peak else "")
+        )
+        for name, line in record.get("profile", {}).items():
+            lines.append(f"  {name}: {line['ms_per_step']:.2f} ms a step")
+            lines += [f"    {op['ms_per_step']:.3f} ms {op['name'][:100]}" for op in line["top"]]
+    return {"rows": rows, "lines": lines}
+
+
 def stage_profile(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
-    """Swin-T's jax step fed with a batch on the device: its img/s, and the device's top ops
-    over 5 steps (jax.profiler), from the compile cache the bench stage's jax run filled."""
-    model, batch = ("swin_micro", "8") if smoke else ("swin_tiny_patch4_window7_224", "128")
-    out = Path(tempfile.mkdtemp()) / "profile.json"
-    cmd = [sys.executable, "bench/fed_step.py", "--backend", "jax", "--model", model,
-           "--batch_size", batch, "--amp_level", "O0" if smoke else "O1", "--steps", "20",
-           "--warmup", "3", "--profile", "25", "--profile_out", str(out)]  # fmt: skip
-    code, output = run(cmd, budget, env, "fed_step --profile")
-    if code != 0 or not out.is_file():
-        return {"lines": [f"unfinished: fed_step --profile ({output.strip()[-500:]})"]}
-    record = json.loads(out.read_text())
-    lines = [f"{model} jax fed step: {record['fed_images_per_sec']:.0f} img/s"]
-    for name, line in record.get("profile", {}).items():
-        lines.append(f"{name}: {line['ms_per_step']:.2f} ms a step")
-        lines += [f"  {op['ms_per_step']:.3f} ms {op['name'][:100]}" for op in line["top"][:12]]
-    return {**record, "lines": lines}
+    """Where the step's time goes: Swin-T's and ViT-B/16's fed steps on jax and compile, each
+    with its device's top ops (jax.profiler; torch's profiler for compile)."""
+    if smoke:  # the harness, each profiler once: eager's compiles nothing
+        runs = [("swin_micro", "jax", "none"), ("swin_micro", "eager", "none")]
+    else:
+        runs = [(m, b, "none") for m in BENCH_MODELS.split(",") for b in ("jax", "compile")]
+    return fed_steps(smoke, env, budget, runs, top=12)
+
+
+def stage_remat(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
+    """The jax steps with each block's activations recomputed (remat dots, full): img/s and
+    peak memory beside the profile stage's remat none."""
+    if smoke:
+        runs = [("swin_micro", "jax", "dots")]
+    else:
+        runs = [(m, "jax", remat) for m in BENCH_MODELS.split(",") for remat in ("dots", "full")]
+    return fed_steps(smoke, env, budget, runs, top=0)
 
 
 def stage_bench(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
@@ -327,11 +361,12 @@ def stage_data(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace)
 
 
 RUNNERS = {
+    "profile": stage_profile,
+    "remat": stage_remat,
+    "bench": stage_bench,
     "tests": stage_tests,
     "decode": stage_decode,
     "attention": stage_attention,
-    "bench": stage_bench,
-    "profile": stage_profile,
     "data": stage_data,
 }
 
