@@ -112,7 +112,7 @@ SUPPORT_ROWS = (
     ("pp=", "pp"),
     ("not together", "exclusive"),
     ("remat=", "remat"),
-    ("data_device='gpu'", "data_device_gpu"),
+    ("batches on a CUDA GPU", "cuda_batches"),
     ("devices=N as", "replicas"),
     ("N replicas on CPU", "cpu_replicas"),
     ("kernel_opt=True", "kernel_opt"),

@@ -127,7 +127,8 @@ class Supports:
     # Options that cannot run together here: (flag, flag, why), refused in one line naming both.
     exclusive: tuple[tuple[str, str, str], ...] = ()
     remat: bool = False
-    data_device_gpu: bool = False  # data_device='gpu' (JPEGs decoded on the CUDA device)
+    # Batches already on the CUDA device (decoded there) taken by loader and step as they are.
+    cuda_batches: bool = False
     # How devices=N runs: "processes" (torchrun, one a device) or "devices" (one
     # process drives N devices).
     replicas: str = "processes"

@@ -200,14 +200,15 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
     cfg = dataclasses.replace(cfg, backend=backend)
     notes = [f"backend {backend} ({why})"]
     module = check_supported(backend_config(cfg))
-    if cfg.data.data_device == "gpu" and not module.SUPPORTS.data_device_gpu:
+    # --data_device gpu hands the backend batches decoded on the CUDA device.
+    if cfg.data.data_device == "gpu" and not module.SUPPORTS.cuda_batches:
         raise ConfigError(
             f"--data_device gpu is not supported by the {backend} backend (launch_single_task "
             "--backends shows what each backend runs)"
         )
     check_gpu_count(cfg, module.SUPPORTS.replicas)
     check_model(cfg)
-    on_gpu = torch.cuda.is_available() and module.SUPPORTS.data_device_gpu
+    on_gpu = torch.cuda.is_available() and module.SUPPORTS.cuda_batches
     check_memory(cfg, module.SUPPORTS.replicas, on_gpu)
     classes = check_data(cfg)
     check_output(cfg)
@@ -216,7 +217,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
             f"no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch of {cfg.data.source}"
         )
         cfg = dataclasses.replace(cfg, epochs=DEFAULT_EPOCHS)
-    decode_on, fallback = resolve_decode_on(cfg, module.SUPPORTS.data_device_gpu)
+    decode_on, fallback = resolve_decode_on(cfg, module.SUPPORTS.cuda_batches)
     notes += [fallback] if fallback else []
     cfg = dataclasses.replace(
         cfg,

@@ -22,7 +22,7 @@ SUPPORTS = Supports(
     tp_head=True,
     exclusive=(("tp_head", "shard", "the split classifier's rows are not sharded further"),),
     remat=True,
-    data_device_gpu=True,
+    cuda_batches=True,
     kernel_opt="inductor's max-autotune (without CUDA graphs)",
 )
 

@@ -48,7 +48,7 @@ SUPPORTS = Supports(
         ("tp_head", "shard", "the split classifier's rows are not sharded further"),
     ),
     remat=True,
-    data_device_gpu=True,
+    cuda_batches=True,
     kernel_opt="nothing more: AdamW is always the fused one",
 )
 
