@@ -4,6 +4,7 @@ from the keywords or one `config=` (accel/config.py), settled and checked here o
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import multiprocessing
 import os
@@ -23,6 +24,7 @@ from accel.backends.base import (
     LossFn,
     ModelInit,
 )
+from accel.checkpoint import flatten
 from accel.config import (
     AMP_LEVELS,
     ATTENTION_CHOICES,
@@ -41,7 +43,7 @@ from accel.config import (
     shared_compile_cache,
 )
 from accel.data import fork_server
-from accel.distributed import init_process_group
+from accel.distributed import first_difference, init_process_group
 from accel.engine import EmaDecayFn, Engine
 from accel.loop import LoopPart
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
@@ -196,9 +198,12 @@ def prepare(
     refused = spec.refusals()
     if refused:
         raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
+    # The one place a process joins its peers: the process group (eager, compile), xla's
+    # runtime, jax.distributed; the command line and the user's script read it from the Engine.
     ctx = module.context(cfg)
     if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
         init_process_group(ctx)
+        check_same_on_every_rank(cfg)
     runner = module.build(cfg, ctx)
     if runner.threaded and multiprocessing.get_start_method(allow_none=True) is None:
         # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and
@@ -215,12 +220,24 @@ def prepare(
     # does, so torch's warning that the scheduler stepped first would be wrong every time.
     warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
     rates = LearningRates(spec, schedule, optimizer)
-    engine = Engine(runner, ctx, rates, cfg.step.accum, decay, state)
-    engine.max_recompiles = cfg.compiler.max_recompiles
-    engine.model_given = model
+    engine = Engine(
+        runner, ctx, rates, cfg.step.accum, decay, state, cfg.compiler.max_recompiles, model
+    )
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
     return engine
+
+
+def check_same_on_every_rank(cfg: BackendConfig) -> None:
+    """Every rank builds the same backend: a setting that differs between ranks (a seed or a
+    mesh read from the rank or the host) is refused in one line on every rank before anything is
+    built, where the build would hang in a collective or each rank would train differently. The
+    compile cache is the host's own, and may differ."""
+    settings = flatten(dataclasses.asdict(cfg))
+    mine = {k.split(".", 1)[-1]: v for k, v in settings.items() if k != "compiler.cache_dir"}
+    difference = first_difference(mine)
+    if difference:
+        raise AccelError(f"the ranks called prepare with different options: {difference}")
 
 
 def check_ties(model: nn.Module, cfg: BackendConfig, splits: dict[str, int]) -> None:

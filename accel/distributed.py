@@ -46,6 +46,12 @@ def launched_by_torchrun() -> bool:
     return "TORCHELASTIC_RUN_ID" in os.environ or _rank_env("LOCAL_RANK") is not None
 
 
+def processes_joining() -> int:
+    """The processes this job's launcher started to train together, from its variables:
+    torchrun's or srun's world size, or the JAX_NUM_PROCESSES jax's hosts join by (1: alone)."""
+    return max(int(_rank_env("WORLD_SIZE") or 1), int(os.environ.get("JAX_NUM_PROCESSES") or 1))
+
+
 def env_context() -> DistContext:
     return DistContext(
         int(_rank_env("RANK") or 0),
@@ -115,9 +121,10 @@ def all_gather_ints(value: int) -> list[int]:
 
 
 def first_difference(mine: dict[str, Any]) -> str | None:
-    """Compares a flat dict across the ranks with rank 0's: 'key (rank 0: X, here: Y)' for
-    the first key that differs on this rank, None where all agree (a few bytes of JSON through
-    two all_gathers)."""
+    """Compares a flat dict across the ranks with rank 0's: 'key (rank 0: X, rank R: Y)' for
+    the first rank and key that differ, the same line on every rank (each raises, none waits on
+    the others in a collective), None where all agree (a few bytes of JSON through two
+    all_gathers)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return None
     raw = json.dumps(mine, sort_keys=True, default=str).encode()
@@ -127,8 +134,10 @@ def first_difference(mine: dict[str, Any]) -> str | None:
     device = collective_device()
     parts = [torch.empty_like(padded, device=device) for _ in lengths]
     dist.all_gather(parts, padded.to(device))
-    first = json.loads(bytes(parts[0][: lengths[0]].cpu().tolist()))
-    for key, value in mine.items():
-        if first.get(key) != json.loads(json.dumps(value, default=str)):
-            return f"{key} (rank 0: {first.get(key)}, rank {dist.get_rank()}: {value})"
+    ranks = [json.loads(bytes(p[:n].cpu().tolist())) for p, n in zip(parts, lengths, strict=True)]
+    first = ranks[0]
+    for rank, theirs in enumerate(ranks[1:], start=1):
+        for key in sorted(first.keys() | theirs.keys()):
+            if first.get(key) != theirs.get(key):
+                return f"{key} (rank 0: {first.get(key)}, rank {rank}: {theirs.get(key)})"
     return None

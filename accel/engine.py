@@ -48,9 +48,7 @@ from accel.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from accel.config import (
-    AccelError,
-)
+from accel.config import AccelError
 from accel.distributed import DistContext
 from accel.loop import (
     LoopPart,
@@ -93,19 +91,23 @@ class Engine:
         accum: int = 1,
         ema: float | EmaDecayFn = 0.0,
         state: LoopPart | None = None,
+        max_recompiles: int = -1,
+        model_given: nn.Module | None = None,
     ):
         """Made by `prepare` (not public). `rates`: the learning rate(s) of an optimizer step,
         by the steps done before it. `ema`: the EMA decay (0: none), or a function of the steps
-        done, this one included. `state`: the loop state checkpoints carry (`state.step`)."""
-        self.runner, self.ctx, self.rates = backend, ctx, rates
+        done, this one included. `state`: the loop state checkpoints carry (`state.step`).
+        `max_recompiles`: graphs compiled after warm-up before a step stops (-1: any).
+        `model_given`: the model prepare was handed."""
+        self.runner, self._ctx, self.rates = backend, ctx, rates
         self.accum, self.ema = accum, ema
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
-        self.model_given: nn.Module | None = None  # the model prepare was handed
+        self.model_given = model_given
         self.shapes: tuple | None = None  # the last step's batch shapes
         self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
-        self.max_recompiles = -1  # graphs compiled after warm-up before a step stops (-1: any)
+        self.max_recompiles = max_recompiles
         self.compiled_at_warmup: int | None = None  # the backend's step compiles at warm-up
         self.changes = 0  # steps and loads so far: what changed the trained weights
         self.synced = 0  # the changes the given model holds (sync_model)
@@ -122,9 +124,14 @@ class Engine:
         return self.runner.name
 
     @property
+    def ctx(self) -> DistContext:
+        """This process's place among its peers (rank, local rank, processes), made by prepare."""
+        return self._ctx
+
+    @property
     def is_main(self) -> bool:
         """Whether this is the first process (the one that writes files and prints)."""
-        return self.ctx.is_main
+        return self._ctx.is_main
 
     @property
     def rank(self) -> int:
@@ -147,7 +154,7 @@ class Engine:
     def devices(self) -> int:
         """Devices the step runs on, over every process: data replicas x tensor-parallel ranks
         x pipeline stages (what MFU divides by)."""
-        return self.ctx.world_size * self.runner.step_devices
+        return self._ctx.world_size * self.runner.step_devices
 
     @property
     def replicas(self) -> int:
@@ -218,11 +225,8 @@ class Engine:
     def check_recompiles(self) -> None:
         """More graphs compiled after warm-up than `max_recompiles` (CompilerConfig): stop, in
         one line naming the likely cause. The policy of every backend that compiles."""
-        limit = self.max_recompiles
-        if limit < 0:
-            return
-        compiled = self.compiles_after_warmup()
-        if compiled <= limit:
+        limit, compiled = self.max_recompiles, self.compiles_after_warmup()
+        if limit < 0 or compiled <= limit:
             return
         cause = recompile_cause(self.shapes_seen, self.runner.explain_compiles)
         raise RecompileError(f"{compiled} graphs compiled after warm-up (limit {limit}): {cause}")
@@ -276,8 +280,7 @@ class Engine:
         for name, value in tensors.items():
             whole = full_value(value).detach()
             out[name] = whole.to("cpu", dtype=dtypes.get(name, whole.dtype), copy=True)
-        missing = set(dtypes) - set(out)
-        if missing:
+        if missing := set(dtypes) - set(out):
             raise AccelError(
                 f"this layout keeps {len(missing)} of the model's tensors on other ranks (a "
                 "pipeline): engine.save(path), then accel-export gives the whole state"
@@ -334,9 +337,8 @@ class Engine:
     def compiles_after_warmup(self) -> int:
         """Graphs of the step compiled since `mark_warmup_done` (0 before it). At least 0: a
         step rebuilt apart (jax's, on XLA's attention where cuDNN refused) counts afresh."""
-        if self.compiled_at_warmup is None:
-            return 0
-        return max(0, self.runner.step_compiles() - self.compiled_at_warmup)
+        at = self.compiled_at_warmup
+        return 0 if at is None else max(0, self.runner.step_compiles() - at)
 
     def stats(self) -> BackendStats:
         """What the backend tells of the run so far: graphs compiled (and after warm-up), compile

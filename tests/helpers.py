@@ -587,15 +587,14 @@ def same_state(fa: dict, fb: dict) -> bool:
 def nan_rank(rank: int, cfg, port: int) -> None:
     """One of two spawned ranks training `cfg` (the NaN-on-white model, sharded or piped)."""
     from accel.cli.train import Trainer
-    from accel.distributed import DistContext, destroy_process_group, init_process_group
+    from accel.distributed import destroy_process_group
     from tests import nan_model  # noqa: F401 (registers the model in this spawned process)
 
+    # torchrun's variables: prepare joins the process group from them.
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank))
     os.environ.update(WORLD_SIZE="2", LOCAL_RANK=str(rank))
-    ctx = DistContext(rank, rank, 2)
-    init_process_group(ctx)
     try:
-        Trainer(cfg, ctx).train()
+        Trainer(cfg).train()
     finally:
         destroy_process_group()
 

@@ -12,6 +12,7 @@ import torch
 
 from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supports
 from accel.config import BACKENDS, BackendConfig, ConfigError
+from accel.distributed import processes_joining
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 # Where each backend lives: a module, or a package whose __init__ gives BackendModule's names.
@@ -84,6 +85,14 @@ def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
     ]
     given = {"tp": mesh.tp > 1, "tp_head": mesh.tp_head > 1, "pp": mesh.pp > 1}
     given["shard"] = mesh.shard != "none"
+    processes = processes_joining()
+    lines += [
+        f"{k}= on the {name} backend splits over one process's devices, not across the "
+        f"{processes} processes of this job (accel.backends.support_matrix() shows what each "
+        "backend runs)"
+        for k in supports.one_process
+        if given[k] and processes > 1
+    ]
     pairs = [(a.strip("-"), b.strip("-"), why) for a, b, why in supports.exclusive]
     lines += [
         f"{a}= and {b}= cannot be combined on the {name} backend: {why}"
@@ -115,6 +124,7 @@ SUPPORT_ROWS = (
     ("batches on a CUDA GPU", "cuda_batches"),
     ("devices=N as", "replicas"),
     ("N replicas on CPU", "cpu_replicas"),
+    ("one process only", "one_process"),
     ("kernel_opt=True", "kernel_opt"),
 )
 
@@ -128,18 +138,20 @@ def support_matrix(label: Callable[[str], str] = str) -> str:
     """
     tables = {b: importlib.import_module(BACKEND_MODULES[b]).SUPPORTS for b in BACKENDS}
 
-    def mark(value) -> str:
+    def mark(value, key: str) -> str:
         if isinstance(value, bool):
             return "yes" if value else "-"
         if isinstance(value, tuple) and value and isinstance(value[0], tuple):
             return "; ".join(label(f"{a.strip('-')}= + {b.strip('-')}=") for a, b, _ in value)
+        if isinstance(value, tuple) and key == "one_process":  # keywords
+            return ", ".join(label(f"{v}=") for v in value) or "-"
         if isinstance(value, tuple):
             return ", ".join(v for v in value if v != "none") or "-"
         return label(str(value))
 
     lines = ["| | " + " | ".join(BACKENDS) + " |", "|---" * (len(BACKENDS) + 1) + "|"]
     for what, key in SUPPORT_ROWS:
-        cells = [mark(getattr(tables[b], key)) for b in BACKENDS]
+        cells = [mark(getattr(tables[b], key), key) for b in BACKENDS]
         lines.append(f"| {label(what)} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 

@@ -133,6 +133,9 @@ class Supports:
     # process drives N devices).
     replicas: str = "processes"
     cpu_replicas: bool = True  # more than one replica on a CPU machine
+    # Keywords that split over one process's devices only: refused where several processes
+    # train together (torchrun's ranks, jax's hosts).
+    one_process: tuple[str, ...] = ()
     kernel_opt: str = "nothing"  # what kernel_opt=True adds
 
 

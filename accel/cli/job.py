@@ -16,7 +16,7 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 import accel
-from accel.cli.config import OptimConfig, RunConfig
+from accel.cli.config import OptimConfig, ParallelConfig, RunConfig
 from accel.config import BackendConfig, CompilerConfig, MeshConfig, StepConfig
 from accel.engine import Engine
 from accel.loop import LoopPart
@@ -124,10 +124,9 @@ def step_config(cfg: RunConfig) -> StepConfig:
     )
 
 
-def backend_config(cfg: RunConfig) -> BackendConfig:
-    """The library's config of the run's backend, from the command line's options."""
-    par, comp = cfg.parallel, cfg.compiler
-    mesh = MeshConfig(
+def mesh_config(par: ParallelConfig) -> MeshConfig:
+    """The library's mesh, from the command line's parallel options."""
+    return MeshConfig(
         devices=par.nproc_per_node,
         shard=par.shard,  # type: ignore[arg-type]
         tp=par.tp,
@@ -137,6 +136,11 @@ def backend_config(cfg: RunConfig) -> BackendConfig:
         pp_microbatches=par.pp_microbatches,
         rdzv_timeout=par.rdzv_timeout,
     )
+
+
+def backend_config(cfg: RunConfig) -> BackendConfig:
+    """The library's config of the run's backend, from the command line's options."""
+    comp = cfg.compiler
     compiler = CompilerConfig(
         cache_dir=str(cfg.compile_cache_dir()),
         max_recompiles=comp.max_recompiles,
@@ -144,7 +148,7 @@ def backend_config(cfg: RunConfig) -> BackendConfig:
         device_prefetch=comp.device_prefetch,
         grad_reduce=comp.grad_reduce,  # type: ignore[arg-type]
     )
-    return BackendConfig(cfg.backend, step_config(cfg), mesh, compiler)  # type: ignore[arg-type]
+    return BackendConfig(cfg.backend, step_config(cfg), mesh_config(cfg.parallel), compiler)  # type: ignore[arg-type]
 
 
 def run_model(cfg: RunConfig) -> tuple[ImageClassifier, Callable[[], ImageClassifier]]:

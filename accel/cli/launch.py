@@ -24,7 +24,6 @@ from accel.backends import backend_module  # noqa: E402
 from accel.backends.base import BackendModule, BackendUnavailable, RecompileError  # noqa: E402
 from accel.checkpoint import flatten  # noqa: E402
 from accel.cli.config import RunConfig, from_dict  # noqa: E402
-from accel.cli.job import backend_config  # noqa: E402
 from accel.cli.messages import as_flags  # noqa: E402
 from accel.cli.options import build_parser, config_from_args  # noqa: E402
 from accel.cli.resolve import resolve  # noqa: E402
@@ -34,10 +33,9 @@ from accel.data.augment import AugmentError  # noqa: E402
 from accel.data.folder import BadImageError, DatasetError  # noqa: E402
 from accel.data.lifetime import exit_with_parent  # noqa: E402
 from accel.distributed import (  # noqa: E402
-    DistContext,
     destroy_process_group,
+    env_context,
     first_difference,
-    init_process_group,
     launched_by_torchrun,
 )
 from accel.models.factory import ModelError  # noqa: E402
@@ -158,16 +156,17 @@ def same_everywhere(cfg: RunConfig) -> None:
         raise ConfigError(f"the ranks were started with different options: {difference}")
 
 
-def train_here(cfg: RunConfig, ctx: DistContext, torch_ranks: bool) -> None:
-    """Train in this process; `torch_ranks`: its peers meet through torch.distributed (the
-    backends whose replicas are processes; jax's processes meet through jax.distributed)."""
+def train_here(cfg: RunConfig) -> None:
+    """Train in this process. `accel.prepare`, called as the Trainer builds its engine, joins
+    the process to its peers (the process group, xla's runtime, jax.distributed): the command
+    line reads its place from the engine. The options prepare does not take are compared across
+    the ranks once it has."""
     from accel.cli.train import Trainer
 
-    if torch_ranks:
-        init_process_group(ctx)
     try:
+        trainer = Trainer(cfg, START)
         same_everywhere(cfg)
-        Trainer(cfg, ctx, START).train()
+        trainer.train()
     finally:
         destroy_process_group()
 
@@ -213,8 +212,8 @@ def run(argv: list[str]) -> int:
     processes = module.SUPPORTS.replicas == "processes"
     if not processes:
         join_processes(cfg)
-    ctx = module.context(backend_config(cfg))
-    speaks = ctx.is_main and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
+    # The first rank of the first node speaks (the rank torchrun or srun gave this process).
+    speaks = env_context().is_main and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
     for note in notes if speaks else ():
         print(f"accel: {note}", flush=True)
     several = cfg.parallel.nproc_per_node > 1 or cfg.parallel.nnodes > 1
@@ -223,7 +222,7 @@ def run(argv: list[str]) -> int:
         if code:
             return code
     else:
-        train_here(cfg, ctx, processes)
+        train_here(cfg)
     if speaks:
         print(f"accel: {outcome(cfg)}; summary in {cfg.run_dir() / 'summary.json'}")
     return 0

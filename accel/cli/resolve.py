@@ -15,7 +15,7 @@ from accel.backends.base import BackendModule
 from accel.checkpoint import latest_checkpoint, read_meta
 from accel.cli.checkpoints import resume_mismatches, saved_config
 from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, validate
-from accel.cli.job import backend_config
+from accel.cli.job import backend_config, mesh_config
 from accel.cli.memory_check import check_memory
 from accel.cli.recipes import describe
 from accel.cli.runs import check_free, latest_resumable, new_run_name
@@ -79,7 +79,7 @@ def check_model(cfg: RunConfig) -> None:
 def mesh_notes(cfg: RunConfig, replicas: str) -> list[str]:
     """The model-parallel mesh, and the padding of a split classifier."""
     par = cfg.parallel
-    dims = ParallelDims.of(backend_config(cfg).mesh, par.nnodes * par.nproc_per_node)
+    dims = ParallelDims.of(mesh_config(par), par.nnodes * par.nproc_per_node)
     if dims.tp == 1 and dims.pp == 1:
         return []
     line = dims.describe("processes" if replicas == "processes" else "devices")

@@ -35,7 +35,7 @@ from accel.cli.runs import RunLock
 from accel.cli.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
 from accel.config import ConfigError
 from accel.data.loaders import build_train_loader
-from accel.distributed import DistContext, all_gather_ints
+from accel.distributed import all_gather_ints
 from accel.engine import Engine
 from accel.models.factory import input_size
 from accel.report.summary import RunSummary
@@ -221,8 +221,8 @@ class StepLog:
 
 
 class Trainer:
-    def __init__(self, cfg: RunConfig, ctx: DistContext, start_time: float | None = None):
-        self.cfg, self.ctx = cfg, ctx
+    def __init__(self, cfg: RunConfig, start_time: float | None = None):
+        self.cfg = cfg
         self.timer = timer = Timer(start_time if start_time is not None else time.perf_counter())
         timer.startup_s["imports"] = time.perf_counter() - timer.start
         self.host_bytes_at_start = host_bytes_now()  # imports done, nothing of the model built
@@ -249,20 +249,20 @@ class Trainer:
     def save(self) -> None:
         self.steps.flush()
         path = self.checkpoints.save(self.state.step)
-        if self.ctx.is_main:
+        if self.engine.is_main:
             self.logger.info(f"checkpoint {path}")
         self.timer.restart_group()  # the write is not a step's time
 
     def train(self) -> dict[str, Any]:
         """Train in the run folder, which this run holds (its lock) until it returns."""
         run_dir = self.cfg.run_dir()
-        lock = RunLock(run_dir) if self.ctx.is_main else None
+        lock = RunLock(run_dir) if self.engine.is_main else None
         try:
             if lock:
                 remove_stale_temporaries(run_dir)
                 (run_dir / "config.json").write_text(self.cfg.to_json())
             with self.timer.phase("logger"):
-                self.logger = RunLogger(run_dir, self.ctx)
+                self.logger = RunLogger(run_dir, self.engine.ctx)
             self.tracker = SkipTracker(self.state, self.logger)
             self.evaluate = Evaluator(self.cfg, self.engine, self.data.host_batch, self.tracker)
             try:
@@ -287,7 +287,7 @@ class Trainer:
         )
         bar = tqdm(
             total=self.total_steps, initial=start, desc=self.engine.backend,
-            disable=not self.ctx.is_main, dynamic_ncols=True,
+            disable=not self.engine.is_main, dynamic_ncols=True,
         )  # fmt: skip
         # The bar is closed (its line ended) on errors too, so error messages start a line.
         with bar, stop_on_signals() as self.stop:
@@ -424,7 +424,7 @@ def final_summary(t: Trainer, end: float) -> dict[str, Any]:
     summary.peak_host_bytes = all_gather_ints(peak_host_bytes())
     summary.host_bytes_at_start = all_gather_ints(t.host_bytes_at_start)
     record = summary.to_dict()
-    if t.ctx.is_main:
+    if t.engine.is_main:
         t.logger.write_summary(record)
         t.logger.info(f"{ips:.1f} img/s, final loss {state.losses[-1]:.4f}")
     return record
@@ -442,7 +442,7 @@ def evaluate_only(t: Trainer) -> dict[str, Any]:
         **results,
         "skipped_images": len(t.state.skipped),
     }
-    if t.ctx.is_main:
+    if t.engine.is_main:
         t.logger.write_summary(summary)
         line = ", ".join(f"{k} {v:.4f}" for k, v in results.items() if k != "eval_images")
         t.logger.info(f"evaluated {results['eval_images']} images: {line}")

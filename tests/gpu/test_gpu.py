@@ -17,7 +17,6 @@ from accel.cli.train import Trainer
 from accel.data.config import DataConfig, MixupConfig
 from accel.data.jpeg_decoders import make_decoder
 from accel.data.loaders import build_train_loader
-from accel.distributed import DistContext
 from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli, train_cli
 
 pytestmark = pytest.mark.gpu
@@ -37,7 +36,7 @@ def test_the_torch_step_makes_no_host_sync_and_takes_pinned_side_stream_batches(
     backend, level, tmp_path
 ):
     cfg = micro_config(tmp_path, backend=backend, amp_level=level, steps=8)
-    trainer = Trainer(cfg, DistContext())
+    trainer = Trainer(cfg)
     engine = trainer.engine
     assert engine.pin_memory  # the loader hands over pinned host memory
     host = [b for _, b in zip(range(3), trainer.data.loader, strict=False)]
@@ -136,7 +135,7 @@ def test_jax_takes_cudnn_flash_attention_and_matches_xla(tokens, heads, bias_bat
 @pytest.mark.parametrize("model", ["vit_micro", "swin_micro"])
 def test_backend_by_amp_level_trains_five_finite_steps_on_cuda(backend, level, model, tmp_path):
     cfg = micro_config(tmp_path, backend=backend, model=model, amp_level=level, model_ema=True)
-    summary = Trainer(cfg, DistContext()).train()
+    summary = Trainer(cfg).train()
     assert len(summary["losses"]) == 5 and all(math.isfinite(x) for x in summary["losses"])
     assert summary["compiles_after_warmup"] == 0
     assert summary["device"] != "CPU"

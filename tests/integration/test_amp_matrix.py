@@ -15,7 +15,6 @@ import torch
 
 from accel.backends import backend_module
 from accel.cli.train import Trainer
-from accel.distributed import DistContext
 from tests.helpers import micro_config
 
 pytestmark = pytest.mark.slow  # 32 cases, each compiled; every backend's one run is test_finetune's
@@ -141,7 +140,7 @@ def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: boo
         model_ema=True,
         model_ema_decay=0.5,
     )
-    trainer = Trainer(cfg, DistContext())
+    trainer = Trainer(cfg)
     with LinearWatch(count=backend == "eager") as watch:
         summary = trainer.train()
     records = [json.loads(line) for line in (cfg.run_dir() / "metrics.jsonl").open()]

@@ -17,7 +17,6 @@ from accel.checkpoint import latest_checkpoint
 from accel.cli.job import LRSchedule, param_groups, parameter_settings
 from accel.cli.train import Trainer, host_tuple, seed_everything
 from accel.data.loaders import build_train_loader
-from accel.distributed import DistContext
 from accel.losses import classifier_loss
 from accel.models.factory import create_model
 from tests.helpers import (
@@ -137,7 +136,7 @@ def test_batches_split_beforehand_take_the_same_step_as_accum():
 def test_the_api_gives_the_command_line_losses(tmp_path):
     """The Trainer's own job rebuilt from the same parts through accel.prepare."""
     cfg = micro_config(tmp_path, steps=4)
-    cli = Trainer(cfg, DistContext()).train()["losses"]
+    cli = Trainer(cfg).train()["losses"]
 
     seed_everything(cfg.seed)
     model = create_model(cfg.model, seed=cfg.seed)
@@ -178,7 +177,7 @@ def test_a_checkpoint_saved_on_one_backend_loads_on_another(tmp_path, saver, loa
 @SLOW
 def test_the_command_line_and_the_api_load_each_others_checkpoints(tmp_path):
     cfg = micro_config(tmp_path, steps=2)
-    Trainer(cfg, DistContext()).train()
+    Trainer(cfg).train()
     cli_checkpoint = latest_checkpoint(cfg.run_dir())
 
     model = create_model(cfg.model, seed=cfg.seed)
@@ -192,7 +191,7 @@ def test_the_command_line_and_the_api_load_each_others_checkpoints(tmp_path):
     api_checkpoint = engine.save(tmp_path / "api" / "step_3.pt")
 
     resumed = micro_config(tmp_path, steps=5, resume=str(api_checkpoint), run_name="r")
-    result = Trainer(resumed, DistContext()).train()  # steps 4 and 5 of 5
+    result = Trainer(resumed).train()  # steps 4 and 5 of 5
     assert len(result["losses"]) == 2 and all(math.isfinite(x) for x in result["losses"])
 
 

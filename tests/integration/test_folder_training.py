@@ -8,7 +8,6 @@ import torch
 
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
-from accel.distributed import DistContext
 from tests.helpers import dirty_mock_imagenet, launch, micro_config, read_summary
 
 
@@ -100,7 +99,7 @@ def test_device_decoding_trains_eager_and_jax_on_the_same_batches(tmp_path, dirt
             steps=6,
             mixup=MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0),
         )
-        runs[backend] = Trainer(cfg, DistContext()).train()
+        runs[backend] = Trainer(cfg).train()
     for summary in runs.values():
         assert summary["skipped_images"] == 3 and summary["steps"] == 6
     np.testing.assert_allclose(runs["jax"]["losses"], runs["eager"]["losses"], rtol=1e-3)

@@ -14,7 +14,6 @@ from accel.checkpoint import latest_checkpoint, to_cpu
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
 from accel.data.loaders import build_eval_loader
-from accel.distributed import DistContext
 from accel.losses import classifier_metrics, summarise
 from tests.helpers import (
     TWO_HOST_DEVICES,
@@ -35,7 +34,7 @@ def _train(tmp_path, backend: str, model: str = "vit_micro", **kw) -> dict:
     cfg = micro_config(
         tmp_path, backend=backend, model=model, synthetic_length=100, mixup=MIXUP, **kw
     )
-    return Trainer(cfg, DistContext()).train()
+    return Trainer(cfg).train()
 
 
 @pytest.mark.parametrize("model", ["vit_micro", "swin_micro"])

@@ -12,7 +12,6 @@ import torch
 from accel import checkpoint as ckpt
 from accel.cli.launch import EXIT_NONFINITE, main
 from accel.cli.train import Trainer
-from accel.distributed import DistContext
 from tests import nan_model
 from tests.helpers import NAN_EPOCHS, checkpoint_tensors, engine_tensors, nan_config, same_state
 
@@ -37,7 +36,7 @@ def _before(step: int, cfg, run_dir) -> dict:
     """The state a step started from: the previous checkpoint, or a fresh model for step 1."""
     if step > 1:
         return _state(_checkpoint(run_dir, step - 1))
-    return _state(Trainer(cfg, DistContext()))
+    return _state(Trainer(cfg))
 
 
 XLA = pytest.mark.xla
@@ -60,7 +59,7 @@ def test_skip_leaves_weights_and_optimizer_state_untouched(tmp_path, one_white_i
         tmp_path, name, one_white_image, nan_policy="skip", kernel_opt=bool(kernel_opt)
     )
     with pytest.warns(UserWarning, match="non-finite loss"):
-        summary = Trainer(cfg, DistContext()).train()
+        summary = Trainer(cfg).train()
     steps = summary["nonfinite_steps"]
     assert len(steps) == EPOCHS and summary["steps"] == 8  # one white batch per epoch, trained on
     losses = summary["losses"]

@@ -13,7 +13,6 @@ from matplotlib.colors import to_hex
 from matplotlib.ticker import MaxNLocator
 
 from accel.cli.train import Trainer
-from accel.distributed import DistContext
 from accel.report.figures import COLOURS, STATE_PARTS, figures, step_groups
 from accel.report.tables import README_BEGIN, README_END, aggregate, find_runs, update_readme
 from accel.report.tables import main as report_main
@@ -31,7 +30,7 @@ def run_tree(tmp_path_factory):
     for backend in BACKENDS:
         for name in RUNS:
             cfg = micro_config(root, backend=backend, steps=4, run_name=name, eval=True)
-            Trainer(cfg, DistContext()).train()
+            Trainer(cfg).train()
     return root
 
 

@@ -16,7 +16,6 @@ from accel.checkpoint import read_meta
 from accel.cli.train import Trainer
 from accel.data.config import DataConfig
 from accel.data.prepare import prepare_mock_imagenet
-from accel.distributed import DistContext
 from tests.helpers import launch, micro_config, read_summary, run_cli, start_cli
 
 JOB = (
@@ -165,6 +164,6 @@ def test_after_a_resume_the_images_evaluation_skips_are_counted(tmp_path):
     bad.write_bytes(b"\xff\xd8\xff\xe0 not a whole jpeg")
     data = DataConfig(source=str(root), workers=0)
     first = micro_config(tmp_path, data=data, steps=2, batch_size=4)
-    assert Trainer(first, DistContext()).train()["skipped_images"] == 0  # no evaluation yet
+    assert Trainer(first).train()["skipped_images"] == 0  # no evaluation yet
     resumed = micro_config(tmp_path, data=data, steps=3, batch_size=4, resume="auto", eval=True)
-    assert Trainer(resumed, DistContext()).train()["skipped_images"] == 1
+    assert Trainer(resumed).train()["skipped_images"] == 1

@@ -7,7 +7,6 @@ from accel.backends.base import BackendUnavailable
 from accel.backends.xla import check_versions, compile_count
 from accel.cli.train import Trainer
 from accel.data.config import MixupConfig
-from accel.distributed import DistContext
 from tests.helpers import job_backend, micro_config, run_cli_without, run_python, train
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
@@ -28,7 +27,7 @@ def _run(tmp_path, backend: str, model: str, **kw) -> tuple[dict, Trainer]:
         eval=True,
         **kw,
     )
-    trainer = Trainer(cfg, DistContext())
+    trainer = Trainer(cfg)
     return trainer.train(), trainer
 
 

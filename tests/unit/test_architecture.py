@@ -175,6 +175,50 @@ def test_the_command_line_builds_its_engine_through_prepare_only():
         assert not called & {"create_backend", "adopt", "Engine", "setup"}, (rel, called)
 
 
+# What joins a process to its peers: a backend module's context() (xla's runtime, jax.distributed,
+# torchrun's variables read) and torch's process group.
+JOINS = {"context", "init_process_group"}
+
+
+def test_only_prepare_joins_the_process_to_its_peers():
+    """One way in: accel.prepare alone makes the process context, and the command line reads it
+    from the engine it gets back (`engine.ctx`), as a user's script does. The backends define
+    their context(), and accel/distributed.py torch's group; nothing else calls either."""
+    callers = set()
+    for path in (ROOT / "accel").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        if _calls(rel) & JOINS and rel != "accel/distributed.py":
+            callers.add(rel)
+    assert callers == {"accel/api.py"}, callers
+    prepare = _function("accel/api.py", "prepare")
+    called = {
+        n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+        for n in ast.walk(prepare)
+        if isinstance(n, ast.Call)
+    }
+    assert called >= JOINS
+
+
+def test_the_engine_is_complete_when_made():
+    """prepare sets no field of the Engine after making it: the constructor takes them all."""
+    prepare = _function("accel/api.py", "prepare")
+    stores = [
+        n
+        for n in ast.walk(prepare)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "engine"
+    ]
+    assert not stores, [ast.unparse(n) for n in stores]
+
+
+def _function(rel: str, name: str) -> ast.FunctionDef:
+    tree = ast.parse((ROOT / rel).read_text())
+    (found,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == name]
+    return found
+
+
 def test_the_trainer_reads_no_backend_member():
     """The loop, its evaluation and its checkpoints use the Engine's public names only: no read
     of the Engine's backend (its `runner`, a `self.backend`) and no import of the backends."""
@@ -241,6 +285,21 @@ def test_the_backends_and_parallel_know_no_task_and_no_command_line_flag():
             assert not [name for name in TASK_NAMES if name in text], rel
             flags = re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
             assert not flags, (rel, flags)
+
+
+# prepare's keywords for what a backend may not run: the Supports table refuses them, in
+# accel/backends/__init__.py's refusals(), and no backend part raises its own line for them.
+SUPPORTED_KEYWORDS = ("shard=", "tp_head=", "pp=", "remat=", "amp_dtype=", "kernel_opt=")
+
+
+def test_what_a_backend_cannot_run_is_refused_from_its_support_table_only():
+    for folder in ("jax", "xla", "torch_family"):
+        for path in (ROOT / "accel" / "backends" / folder).rglob("*.py"):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.Raise) and node.exc is not None:
+                    text = ast.unparse(node.exc)
+                    named = [k for k in SUPPORTED_KEYWORDS if k in text]
+                    assert not named, (str(path.relative_to(ROOT)), node.lineno, named)
 
 
 def test_no_test_reads_an_engines_backend():

@@ -197,3 +197,32 @@ def test_use_accel_selects_the_xla_path():
     expected = "jax" if torch.cuda.is_available() else "xla"
     name, why = resolve_backend(None, {"USE_ACCEL": "true"})
     assert name == expected and "USE_ACCEL=1" in why
+
+
+@pytest.mark.parametrize(
+    "backend, keywords, variable",
+    [
+        ("jax", {"tp": 2, "devices": 2}, "JAX_NUM_PROCESSES"),
+        ("jax", {"shard": "full", "devices": 2}, "JAX_NUM_PROCESSES"),
+        ("xla", {"tp": 2, "devices": 2}, "WORLD_SIZE"),
+    ],
+)
+def test_a_split_over_one_process_is_refused_from_the_support_table_where_processes_join(
+    backend, keywords, variable, monkeypatch
+):
+    """What splits over one process's devices is refused before any process joins, by the
+    backend's support table, in one line naming the keyword and the processes."""
+    import accel
+    from accel.backends import backend_module
+
+    (keyword,) = [k for k in keywords if k != "devices"]
+    assert keyword in backend_module(backend).SUPPORTS.one_process
+    monkeypatch.setenv(variable, "2")
+    model = torch.nn.Linear(4, 2)
+    with pytest.raises(accel.AccelError) as err:
+        accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, b: m(b).sum(),
+                      backend=backend, quiet=True, **keywords)  # fmt: skip
+    message = str(err.value)
+    assert "\n" not in message
+    assert f"{keyword}= on the {backend} backend splits over one process's devices" in message
+    assert "not across the 2 processes of this job" in message

@@ -39,6 +39,7 @@ SUPPORTS = Supports(
     remat=True,
     cuda_batches=True,
     replicas="devices",
+    one_process=("tp", "shard"),
     kernel_opt="nothing more: attention always runs through jax.nn.dot_product_attention "
     "(attention= picks cuDNN or XLA per shape)",
 )

@@ -149,8 +149,6 @@ class Runtime:
             )
         used = np.array(devices[: cfg.mesh.devices * jax.process_count()])
         self.dims = ParallelDims.of(cfg.mesh, used.size)
-        if self.dims.tp > 1 and jax.process_count() > 1:
-            raise ConfigError("tp= on jax splits over one process's devices, not across hosts")
         if self.dims.tp > 1:
             # the tensor axis innermost: a tensor-parallel group's devices are neighbours.
             grid = used.reshape(self.dims.dp, self.dims.tp)
@@ -164,8 +162,6 @@ class Runtime:
         self.batch_sharding = NamedSharding(self.mesh, P(self.data_axis))
         self.micro_sharding = NamedSharding(self.mesh, P(None, self.data_axis))  # [micro, batch]
         self.shard = effective_shard(cfg.mesh.shard, self.dims.dp)
-        if self.shard != "none" and jax.process_count() > 1:
-            raise ConfigError("shard= on jax shards over one process's devices, not across hosts")
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
         """The batches on the devices, as torch tensors a script reads as it would any

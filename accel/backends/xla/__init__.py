@@ -43,6 +43,7 @@ SUPPORTS = Supports(
         ("tp", "shard", "FSDPv2 splits every weight on its first axis over the whole mesh"),
     ),
     replicas="devices",
+    one_process=("tp",),
     kernel_opt="torch_xla's syncfree AdamW (O0-O2: its kernel needs fp32 weights)",
 )
 

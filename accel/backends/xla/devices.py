@@ -39,7 +39,7 @@ class XlaDevices:
         check_autograd(self.device)
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed
-        check_tp(cfg.mesh, ctx.distributed)
+        check_tp(cfg.mesh)
         self.count = cfg.mesh.devices if self.spmd else 1
         # Devices the global batch is split over: the mesh's `dp` axis.
         self.replicas = self.count

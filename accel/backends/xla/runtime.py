@@ -65,7 +65,7 @@ def context(cfg: BackendConfig) -> DistContext:
     """One process: over a device mesh (SPMD) when devices=N, N > 1; one of several processes
     when torchrun started it (TPU hosts)."""
     processes = launched_by_torchrun()
-    check_tp(cfg.mesh, processes)
+    check_tp(cfg.mesh)
     if processes:
         return env_context()
     devices = cfg.mesh.devices
@@ -76,15 +76,14 @@ def context(cfg: BackendConfig) -> DistContext:
     return DistContext()
 
 
-def check_tp(mesh: MeshConfig, processes: bool) -> None:
+def check_tp(mesh: MeshConfig) -> None:
     """tp splits the devices of the SPMD mesh one process drives: refused in one line without
-    one (one device, or one of several processes, each driving its own device)."""
-    if mesh.tp < 2 or (mesh.devices > 1 and not processes):
+    one (devices=1; several processes are refused by SUPPORTS.one_process)."""
+    if mesh.tp < 2 or mesh.devices > 1:
         return
-    have = "this process is one of several started by torchrun" if processes else "devices=1"
     raise ConfigError(
         f"tp={mesh.tp} on xla splits the devices of the SPMD mesh one process drives: give "
-        f"devices=N, N a multiple of {mesh.tp}; {have}"
+        f"devices=N, N a multiple of {mesh.tp}"
     )
 
 
