@@ -4,6 +4,7 @@ torch functions through torchax; the split classifier builds on `masked_sums`)."
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol, runtime_checkable
 
 import torch
 from timm.loss import SoftTargetCrossEntropy
@@ -15,16 +16,54 @@ def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tenso
     return SoftTargetCrossEntropy()(logits.float(), targets)
 
 
-class SoftTargetLoss:
-    """A loss function (model, batch) -> loss that declares what it computes: the mean
-    soft-target cross-entropy (`soft_target_loss`) of `model(inputs, *extras)`'s logits against
-    `targets`, over batches (inputs, targets, *extras), the targets (batch, classes)
-    probabilities. A layout that cannot run the model whole computes this loss its own way:
-    from the logit shards of a split classifier (`tp_head=2`), on a pipeline's last stage
-    (`pp=2`); those train a loss of this class only."""
+Tensors = tuple[torch.Tensor, ...]
+SoftTargetParts = tuple[torch.Tensor, torch.Tensor, Tensors]  # (inputs, targets, extras)
 
-    def __call__(self, model: Callable, batch: tuple[torch.Tensor, ...]) -> torch.Tensor:
+
+@runtime_checkable
+class SoftTargetBatches(Protocol):
+    """What a layout that cannot run the model whole needs of a loss, which it computes its own
+    way (from a split classifier's logit shards, `tp_head=2`; on a pipeline's last stage,
+    `pp=2`): that the loss is the mean soft-target cross-entropy (`soft_target_loss`) of
+    `model(inputs, *extras)`'s logits against `targets`, (batch, classes) probabilities, and
+    where its batch holds those: `soft_target_parts(batch)` -> (inputs, targets, extras).
+    SoftTargetLoss gives it; so may a loss of your own over batches of another order."""
+
+    def soft_target_parts(self, batch: Tensors) -> SoftTargetParts:
+        """(inputs, targets, extras) of one batch."""
+        ...
+
+
+@runtime_checkable
+class ClassificationBatches(Protocol):
+    """What a layout that cannot run the model whole needs of a metric: that it sums
+    `named_sums(eval_sums(...))` (the masked loss, top-1 and top-5 sums and the count) of
+    `model(inputs)`'s logits, and where its batch holds those: `classification_parts(batch)` ->
+    (inputs, labels, mask). ClassificationSums gives it."""
+
+    def classification_parts(self, batch: Tensors) -> tuple[torch.Tensor, ...]:
+        """(inputs, labels, mask) of one batch, the padding's rows False in the mask."""
+        ...
+
+
+class SoftTargetLoss:
+    """A loss function (model, batch) -> loss that declares what it computes
+    (SoftTargetBatches): the mean soft-target cross-entropy (`soft_target_loss`) of
+    `model(inputs, *extras)`'s logits against `targets`, over batches (inputs, targets,
+    *extras), the targets (batch, classes) probabilities.
+
+    >>> loss = SoftTargetLoss()
+    >>> logits, targets = torch.zeros(2, 4), torch.full((2, 4), 0.25)
+    >>> round(float(loss(lambda x: x, (logits, targets))), 4)  # log(4)
+    1.3863
+    """
+
+    def soft_target_parts(self, batch: Tensors) -> SoftTargetParts:
         inputs, targets, *extras = batch
+        return inputs, targets, tuple(extras)
+
+    def __call__(self, model: Callable, batch: Tensors) -> torch.Tensor:
+        inputs, targets, extras = self.soft_target_parts(batch)
         return soft_target_loss(model(inputs, *extras), targets)
 
 
@@ -63,14 +102,17 @@ def named_sums(sums: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 class ClassificationSums:
-    """A metric function (model, batch) -> sums that declares what it computes: `named_sums` of
-    `eval_sums` (the masked loss, top-1 and top-5 sums and the count) of `model(inputs)`'s
-    logits, over batches (inputs, labels, mask), the padding masked out. A layout that cannot
-    run the model whole computes these sums its own way (a split classifier's from its logit
-    shards, a pipeline's on its last stage); those evaluate a metric of this class only."""
+    """A metric function (model, batch) -> sums that declares what it computes
+    (ClassificationBatches): `named_sums` of `eval_sums` (the masked loss, top-1 and top-5 sums
+    and the count) of `model(inputs)`'s logits, over batches (inputs, labels, mask), the padding
+    masked out."""
 
-    def __call__(self, model: Callable, batch: tuple[torch.Tensor, ...]) -> dict[str, torch.Tensor]:
+    def classification_parts(self, batch: Tensors) -> tuple[torch.Tensor, ...]:
         inputs, labels, mask = batch
+        return inputs, labels, mask
+
+    def __call__(self, model: Callable, batch: Tensors) -> dict[str, torch.Tensor]:
+        inputs, labels, mask = self.classification_parts(batch)
         return named_sums(eval_sums(model(inputs), labels, mask))
 
 

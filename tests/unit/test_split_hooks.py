@@ -1,6 +1,6 @@
 """What the pipeline and the split classifier need of a model and a loss comes as hooks any model
-can give (accel.parallel's `Pipelined`, `HasClassifier`; accel.losses' `SoftTargetLoss`,
-`ClassificationSums`); the command line's model and loss give them."""
+can give (accel.parallel's `Pipelined`, `HasClassifier`; accel.losses' `SoftTargetBatches`,
+`ClassificationBatches`); the command line's model and loss give them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import torch
 from torch import nn
 
 from accel.losses import (
+    ClassificationBatches,
     ClassificationSums,
+    SoftTargetBatches,
     SoftTargetLoss,
     classifier_loss,
     classifier_metrics,
@@ -60,3 +62,34 @@ def test_the_command_line_loss_and_metric_declare_what_they_compute():
     logits, targets = torch.randn(3, 5), torch.softmax(torch.randn(3, 5), -1)
     loss = classifier_loss(lambda x: x, (logits, targets))
     torch.testing.assert_close(loss, soft_target_loss(logits, targets))
+
+
+class TargetsFirst:
+    """A user's own soft-target loss over batches (targets, inputs): it says where its batch
+    holds what the split layouts compute their own way."""
+
+    def soft_target_parts(self, batch):
+        targets, inputs = batch
+        return inputs, targets, ()
+
+    def __call__(self, model, batch):
+        inputs, targets, _ = self.soft_target_parts(batch)
+        return soft_target_loss(model(inputs), targets)
+
+
+def test_a_loss_of_any_class_that_says_where_its_batch_holds_its_parts_is_a_split_loss():
+    assert isinstance(classifier_loss, SoftTargetBatches)
+    assert isinstance(classifier_metrics, ClassificationBatches)
+    assert isinstance(TargetsFirst(), SoftTargetBatches)
+    assert not isinstance(lambda model, batch: model(batch[0]).sum(), SoftTargetBatches)
+    assert not isinstance(TargetsFirst(), ClassificationBatches)
+    logits, targets = torch.randn(3, 5), torch.softmax(torch.randn(3, 5), -1)
+    inputs, parts_targets, extras = TargetsFirst().soft_target_parts((targets, logits))
+    assert inputs is logits and parts_targets is targets and extras == ()
+    torch.testing.assert_close(
+        TargetsFirst()(lambda x: x, (targets, logits)),
+        classifier_loss(lambda x: x, (logits, targets)),
+    )
+    mask = torch.tensor([True, True, False])
+    labels = targets.argmax(-1)
+    assert classifier_metrics.classification_parts((logits, labels, mask))[2] is mask

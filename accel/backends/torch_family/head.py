@@ -13,7 +13,7 @@ from torch import nn
 
 from accel.backends.base import MetricFn
 from accel.backends.torch_family.core import TorchCore
-from accel.losses import named_sums
+from accel.losses import SoftTargetParts, named_sums
 from accel.parallel import tp_head
 from accel.parallel.mesh import MeshAxis
 
@@ -31,18 +31,19 @@ class SplitHead:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.rows.parameters())
 
-    def loss(self, model: Callable, batch: tuple) -> torch.Tensor:
-        """accel.losses.SoftTargetLoss from the logit shards: (inputs, targets, *extras)."""
-        images, targets, *extra = batch
-        return tp_head.soft_target_loss(model(images, *extra), targets, self.rows)
+    def loss(self, model: Callable, parts: SoftTargetParts) -> torch.Tensor:
+        """accel.losses.soft_target_loss from the logit shards, of a batch's (inputs, targets,
+        extras)."""
+        images, targets, extras = parts
+        return tp_head.soft_target_loss(model(images, *extras), targets, self.rows)
 
-    def metric_fn(self) -> MetricFn:
-        """accel.losses.ClassificationSums from the logit shards: the top-k from each rank's
-        classes."""
+    def metric_fn(self, parts: Callable[[tuple], tuple[torch.Tensor, ...]]) -> MetricFn:
+        """accel.losses.ClassificationSums' sums from the logit shards (the top-k from each
+        rank's classes), of the (inputs, labels, mask) `parts` reads from a batch."""
         rows = self.rows
 
         def split_metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
-            images, labels, mask = batch
+            images, labels, mask = parts(batch)
             return named_sums(tp_head.eval_sums(model(images), labels, mask, rows))
 
         return split_metrics

@@ -11,8 +11,9 @@ and takes its values from the whole model rank 0 initialises (accel/parallel/mat
 
 What the pipeline and the split classifier need of the model and the loss comes as hooks any
 model can give: `pipeline_parts()` (accel.parallel.pipeline.Pipelined), `get_classifier()`
-(accel.parallel.tp_head.HasClassifier), and a loss of accel.losses.SoftTargetLoss (evaluated by
-accel.losses.ClassificationSums), which those layouts compute their own way.
+(accel.parallel.tp_head.HasClassifier), and a loss and a metric that give
+accel.losses.SoftTargetBatches and ClassificationBatches (what they compute, which those layouts
+compute their own way, and where their batches hold it).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from accel.backends.torch_family.head import SplitHead
 from accel.backends.torch_family.layout import ForwardLoss, Layout, remat
 from accel.backends.torch_family.stages import Stages
 from accel.config import BackendConfig, ConfigError
-from accel.losses import ClassificationSums, SoftTargetLoss
+from accel.losses import ClassificationBatches, SoftTargetBatches, SoftTargetParts
 from accel.parallel import fsdp, pipeline, tensor_parallel, tp_head
 from accel.parallel.materialize import (
     allocate,
@@ -61,6 +62,7 @@ class SplitLayout(Layout):
         self.data_parallel = (self.dp.rank, self.dp.size)
         self.head: SplitHead | None = None
         self.stages: Stages | None = None
+        self.soft_target_parts: Callable[[Batch], SoftTargetParts] | None = None  # by loss_fn
 
     def what(self) -> str:
         """The part of this layout that computes the loss its own way, for refusals."""
@@ -131,19 +133,24 @@ class SplitLayout(Layout):
 
     # --- the step -----------------------------------------------------------------------------
     def loss_fn(self, loss_fn: LossFn) -> LossFn:
-        """The user's loss, or for a split classifier its own way of computing SoftTargetLoss
-        (the parallel cross-entropy of its logit shards); a pipeline's schedule computes it on
-        the last stage."""
-        if (self.dims.pp > 1 or self.dims.tp_head) and not isinstance(loss_fn, SoftTargetLoss):
+        """The user's loss, or for a split classifier its own way of computing it (the
+        parallel cross-entropy of its logit shards); a pipeline's schedule computes it on the
+        last stage. Both read the batch through the loss's `soft_target_parts`."""
+        if not (self.dims.pp > 1 or self.dims.tp_head):
+            return loss_fn
+        if not isinstance(loss_fn, SoftTargetBatches):
             raise ConfigError(
-                f"{self.what()} trains a loss of accel.losses.SoftTargetLoss only (the "
-                "soft-target cross-entropy of the logits, which it computes its own way)"
+                f"{self.what()} trains a loss that gives accel.losses.SoftTargetBatches (the "
+                "soft-target cross-entropy of the logits, which it computes its own way, and "
+                "soft_target_parts(batch)), as accel.losses.SoftTargetLoss does"
             )
+        self.soft_target_parts = loss_fn.soft_target_parts
         if not self.dims.tp_head:
             return loss_fn
 
         def split_loss(model: Callable, batch: tuple) -> torch.Tensor:
-            return cast(SplitHead, self.head).loss(model, batch)  # built by adopt
+            parts = self.soft_target_parts(batch)
+            return cast(SplitHead, self.head).loss(model, parts)  # built by adopt
 
         return split_loss
 
@@ -160,7 +167,8 @@ class SplitLayout(Layout):
         """Accumulate the gradients of the micro-batches and reduce them over the data axis;
         returns this rank's mean loss (and extras)."""
         if self.stages is not None:
-            means = self.stages.backward(micro_batches, core)
+            parts = cast(Callable[[Batch], SoftTargetParts], self.soft_target_parts)
+            means = self.stages.backward(micro_batches, core, parts)
         else:
             means = super().forward_backward(micro_batches, forward_loss, core)
         if self.explicit_reduce:
@@ -188,17 +196,19 @@ class SplitLayout(Layout):
     # --- evaluation and state -----------------------------------------------------------------
     def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
         """The user's metric over the module, or for a pipeline or a split classifier their own
-        way of computing ClassificationSums."""
+        way of computing it, reading the batch through the metric's `classification_parts`."""
         if self.head is None and self.stages is None:
             return self.module, metric_fn
-        if not isinstance(metric_fn, ClassificationSums):
+        if not isinstance(metric_fn, ClassificationBatches):
             raise ConfigError(
-                f"{self.what()} evaluates a metric of accel.losses.ClassificationSums only (the "
-                "loss, top-1 and top-5 sums, which it computes its own way)"
+                f"{self.what()} evaluates a metric that gives accel.losses.ClassificationBatches"
+                " (the loss, top-1 and top-5 sums, which it computes its own way, and "
+                "classification_parts(batch)), as accel.losses.ClassificationSums does"
             )
+        parts = metric_fn.classification_parts
         if self.head is not None:
-            return self.module, self.head.metric_fn()
-        return cast(Stages, self.stages).evaluation(self.param_dtype)
+            return self.module, self.head.metric_fn(parts)
+        return cast(Stages, self.stages).evaluation(self.param_dtype, parts)
 
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
         if self.stages is not None:

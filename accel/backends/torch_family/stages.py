@@ -1,7 +1,7 @@
 """The pipeline's part of a split layout (`pp=2`): this rank's stages cut from a model that gives
 its parts (accel.parallel.pipeline: `Pipelined`, `cut_vit`), the schedule that trains them on
-the loss of accel.losses.SoftTargetLoss, and the forward that evaluates them stage by stage.
-Only the last stage sees the loss and the evaluation sums."""
+the soft-target loss (accel.losses.SoftTargetBatches), and the forward that evaluates them stage
+by stage. Only the last stage sees the loss and the evaluation sums."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from accel.backends.base import Batch, MetricFn
 from accel.backends.torch_family.core import TorchCore
 from accel.backends.torch_family.reductions import all_reduce
 from accel.config import BackendConfig
-from accel.losses import eval_sums, named_sums, soft_target_loss
+from accel.losses import SoftTargetParts, eval_sums, named_sums, soft_target_loss
 from accel.parallel import pipeline
 from accel.parallel.mesh import MeshAxis
 
@@ -44,12 +44,16 @@ class Stages:
             self.plan, self.axis, self.device, mesh.pp_schedule, mesh.pp_microbatches, loss_fn
         )
 
-    def backward(self, micro_batches: list[Batch], core: TorchCore) -> torch.Tensor:
-        """The schedule runs forward and backward; only the last stage sees the loss."""
+    def backward(
+        self, micro_batches: list[Batch], core: TorchCore, parts: Callable[[Batch], SoftTargetParts]
+    ) -> torch.Tensor:
+        """The schedule runs forward and backward on the (inputs, targets) `parts` reads from
+        each micro-batch; only the last stage sees the loss."""
         plan = self.plan
         total = torch.zeros((), device=self.device)
         first, last = 0 in plan.ids, plan.count - 1 in plan.ids
-        for images, targets, *_ in micro_batches:  # no erasing rectangles: refused with pp=
+        for micro_batch in micro_batches:
+            images, targets, _ = parts(micro_batch)  # no erasing rectangles: refused with pp=
             losses: list[torch.Tensor] = []
             args = (images,) if first else ()
             with core.autocast(cache=False):
@@ -59,18 +63,21 @@ class Stages:
                     self.schedule.step(*args)
             if losses:
                 total += torch.stack(losses).sum().detach()
-        return total[None]  # no extras: the pipeline's loss is SoftTargetLoss's
+        return total[None]  # no extras: the pipeline's loss is the soft-target loss
 
-    def evaluation(self, dtype: torch.dtype) -> tuple[Callable, MetricFn]:
-        """The stages' forward and accel.losses.ClassificationSums over it: the last stage's
-        sums, zeros on the other stages."""
+    def evaluation(
+        self, dtype: torch.dtype, parts: Callable[[tuple], tuple[torch.Tensor, ...]]
+    ) -> tuple[Callable, MetricFn]:
+        """The stages' forward and accel.losses.ClassificationSums' sums over it, of the
+        (inputs, labels, mask) `parts` reads from a batch: the last stage's sums, zeros on the
+        other stages."""
         plan, axis = self.plan, self.axis
 
         def forward(images: torch.Tensor) -> torch.Tensor | None:
             return pipeline.forward_only(plan, axis, images, dtype)
 
         def metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
-            images, labels, mask = batch
+            images, labels, mask = parts(batch)
             logits = model(images)  # on the last stage only; the others add zeros
             if logits is None:
                 return named_sums(torch.zeros(4, device=self.device))
