@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any
+from typing import Any, cast
 
 from accel.config import ConfigError, MeshConfig, ShardMode
+from accel.parallel import effective_shard
 
 
 class Axis(StrEnum):
@@ -58,7 +59,7 @@ class ParallelDims:
                 f"{world} ranks are not divisible by tp={tp} x pp={mesh.pp} (= {tp * mesh.pp})"
             )
         dp = world // (tp * mesh.pp)
-        shard: ShardMode = mesh.shard if dp > 1 else "none"
+        shard = cast(ShardMode, effective_shard(mesh.shard, dp))  # one of the modes given
         return cls(dp, shard, tp, mesh.pp, mesh.tp_head > 1)
 
     @property

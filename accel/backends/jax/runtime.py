@@ -22,7 +22,6 @@ from accel.backends.jax.torchax_compat import not_an_accelerator, removed_ops
 from accel.backends.quiet import quiet_imports
 from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
-from accel.parallel import effective_shard
 from accel.parallel.mesh import Axis, ParallelDims
 
 # torchax is imported when a jax engine is about to be built (require()), not with this module.
@@ -161,7 +160,7 @@ class Runtime:
         self.data_axis = self.dims.data_axis  # the batch's axis (with shard=, the weights' too)
         self.batch_sharding = NamedSharding(self.mesh, P(self.data_axis))
         self.micro_sharding = NamedSharding(self.mesh, P(None, self.data_axis))  # [micro, batch]
-        self.shard = effective_shard(cfg.mesh.shard, self.dims.dp)
+        self.shard = self.dims.shard
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
         """The batches on the devices, as torch tensors a script reads as it would any

@@ -33,7 +33,6 @@ from accel.backends.torch_family.whole import WholeLayout
 from accel.config import SHARD_MODES, BackendConfig
 from accel.distributed import DistContext, env_context
 from accel.optim import OptimizerSpec
-from accel.parallel import effective_shard
 from accel.parallel.mesh import ParallelDims
 
 SUPPORTS = Supports(
@@ -144,7 +143,7 @@ class EagerBackend:
         self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_device(ctx)
         dims = ParallelDims.of(cfg.mesh, ctx.world_size)
-        self.shard = effective_shard(cfg.mesh.shard, dims.dp)
+        self.shard = dims.shard
         kind = SplitLayout if dims.splits_model else WholeLayout
         self.layout: Layout = kind(cfg, dims, self.device, self.amp)
         self.data_parallel = self.layout.data_parallel
