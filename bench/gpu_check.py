@@ -233,10 +233,12 @@ def fed_steps(smoke: bool, env: dict, budget: Budget, runs: list[tuple], top: in
     Every process shares the compile caches: the bench stage's launches reuse these programs."""
     rows, lines = [], []
     batch, amp = ("8", "O0") if smoke else ("128", "O1")
+    # --smoke checks the harness, not the numbers: one step to warm up, two timed
+    steps, warmup = ("2", "1") if smoke else ("20", "3")
     for model, backend, remat in runs:
         out = Path(tempfile.mkdtemp()) / "fed.json"
         cmd = [sys.executable, "bench/fed_step.py", "--backend", backend, "--model", model,
-               "--batch_size", batch, "--amp_level", amp, "--steps", "20", "--warmup", "3",
+               "--batch_size", batch, "--amp_level", amp, "--steps", steps, "--warmup", warmup,
                "--remat", remat, "--profile", str(top), "--profile_out", str(out)]  # fmt: skip
         code, output = run(cmd, budget, env, f"fed_step {model} {backend} remat {remat}")
         if code != 0 or not out.is_file():
@@ -288,10 +290,11 @@ def stage_bench(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace
     rows, lines = [], []
     for models, backends, batch, launches, amp in jobs:
         tag = f"gpu-check-bench-{batch}"
+        # --smoke's loops make their synthetic batches in process: the data stage starts workers
         cmd = [sys.executable, "bench/compare_backends.py", "--models", models, "--backends",
                backends, "--batch_size", batch, "--launches", launches, "--amp_level", amp,
-               "--tag", tag, "--steps", "6" if smoke else "30",
-               "--warmup", "2" if smoke else "5", "--workers", "2" if smoke else "12",
+               "--tag", tag, "--steps", "3" if smoke else "30",
+               "--warmup", "1" if smoke else "5", "--workers", "0" if smoke else "12",
                *(["--fed"] if smoke or args.fed else [])]  # fmt: skip
         code, _ = run(cmd, budget, env, f"bench batch {batch}")
         written = ROOT / "bench" / "results" / f"{tag}.json"
@@ -340,7 +343,7 @@ def stage_data(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace)
                     lines.append(f"unfinished: {backend} with --data_device {where}")
                     continue
                 flags = ["--backend", backend, "--model", model, "--data", str(data),
-                         "--data_device", where, "--steps", "6" if smoke else "40",
+                         "--data_device", where, "--steps", "3" if smoke else "40",
                          "--batch_size", "8" if smoke else "128", "--amp_level",
                          "O0" if smoke else "O1", "--workers", "2" if smoke else "14",
                          "--mixup", "0.8", "--cutmix", "1.0", "--no-eval"]  # fmt: skip
