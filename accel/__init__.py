@@ -1,9 +1,9 @@
 """accel: an XLA-backed training backend for PyTorch vision transformers.
 
 In your own script: `engine = accel.prepare(model, optimizer, loss_fn)` (accel/api.py makes
-the Engine of accel/engine.py); on the command line: `launch_single_task`. The names below load
-on first use, so that `import accel.data` (or the launcher's fast `--help`) does not import
-every backend.
+the Engine of accel/engine.py); the command line (accel/cli/) is one more client of it. The
+names below load on first use, so that importing a part of accel (or the command line's fast
+help) does not import every backend.
 """
 
 from __future__ import annotations

@@ -42,7 +42,6 @@ from accel.config import (
     StepConfig,
     shared_compile_cache,
 )
-from accel.data import fork_server
 from accel.distributed import first_difference, init_process_group
 from accel.engine import EmaDecayFn, Engine
 from accel.loop import LoopPart
@@ -50,6 +49,7 @@ from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.ties import tied_names
 from accel.user_model import TrainedOnRead
+from accel.workers import fork_server
 
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
 

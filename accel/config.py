@@ -49,7 +49,7 @@ class StepConfig:
     own random draws. remat: recompute each block's activations in the backward ("none"; "dots":
     keep its matmuls' outputs, recompute the rest; "full": recompute all of it;
     accel/parallel/remat.py). kernel_opt: the backend's
-    extra fused paths (`launch_single_task --backends` lists them). attention: the jax
+    extra fused paths (accel.backends.support_matrix() lists them). attention: the jax
     backend's attention kernels: "xla" (XLA's own ops), "cudnn" (cuDNN flash attention wherever
     it takes the shape) or "auto" (by shape, accel/backends/jax/attention.py); on a CPU all
     run on XLA, and the other backends run torch's own attention whatever it says.

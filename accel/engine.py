@@ -269,8 +269,8 @@ class Engine:
         the host, under your model's own names and dtypes: `model.load_state_dict(
         engine.state_dict())` gives a model that evaluates as `evaluate` does, whatever the
         backend. Call it on every rank: split weights (shard="full") are gathered tensor by
-        tensor. A pipeline keeps stages on different ranks: save a checkpoint and export it
-        (`accel-export`) instead."""
+        tensor. A pipeline keeps stages on different ranks: `save` a checkpoint instead, which
+        holds the whole state and loads whole into one process."""
         state = self.runner.checkpoint_state()
         if ema and "ema" not in state:
             raise AccelError("no EMA weights kept: prepare(..., ema=DECAY)")
@@ -283,7 +283,7 @@ class Engine:
         if missing := set(dtypes) - set(out):
             raise AccelError(
                 f"this layout keeps {len(missing)} of the model's tensors on other ranks (a "
-                "pipeline): engine.save(path), then accel-export gives the whole state"
+                "pipeline): engine.save(path) writes all, engine.load in one process reads all"
             )
         return out
 
@@ -359,8 +359,8 @@ class Engine:
         meta: dict[str, Any] | None = None,
     ) -> Path:
         """Weights, optimizer state (by parameter name), EMA, the loop state and random states,
-        in the command line's format: it loads on any backend and layout, and `launch_single_task
-        --resume` takes it. Call it on every rank; it returns once the checkpoint is whole on
+        in the command line's format: it loads on any backend and layout, and the command line
+        resumes from it. Call it on every rank; it returns once the checkpoint is whole on
         disk. One file written by rank 0, atomically; where `sharded_checkpoint`, a folder
         (torch.distributed.checkpoint) each rank writes its shards to, so no rank ever holds the
         whole state. `extra`: your script's own small state (epoch, best accuracy, a scheduler's

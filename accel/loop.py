@@ -22,7 +22,7 @@ from accel.config import (
     AccelError,
     ConfigError,
 )
-from accel.data import fork_server
+from accel.workers import fork_server
 
 
 class LoopPart(Protocol):

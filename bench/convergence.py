@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from accel.data.prepare import prepare_digits  # noqa: E402
+from accel.cli.data.prepare import prepare_digits  # noqa: E402
 from bench.compare_backends import launch_summary, write_result  # noqa: E402
 
 BACKENDS = ("eager", "compile", "xla", "jax")

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 
 from accel.cli.config import RunConfig  # noqa: E402
 from accel.cli.job import build_engine  # noqa: E402
-from accel.models.factory import ModelConfig, input_size  # noqa: E402
+from accel.cli.models.factory import ModelConfig, input_size  # noqa: E402
 
 
 def fed_images_per_sec(cfg: RunConfig, steps: int, warmup: int, profile: int = 0) -> dict:

@@ -327,7 +327,7 @@ def _bench_line(row: dict) -> str:
 def stage_data(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace) -> dict:
     """A JPEG folder decoded on the GPU (nvJPEG) and by CPU workers, on eager and jax."""
     sys.path.insert(0, str(ROOT))
-    from accel.data.prepare import prepare_mock_imagenet
+    from accel.cli.data.prepare import prepare_mock_imagenet
     from bench.compare_backends import launch_summary
 
     model = "swin_micro" if smoke else "swin_tiny_patch4_window7_224"

@@ -23,8 +23,8 @@ import torch  # noqa: E402
 import torchvision.transforms.v2.functional as tvf  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from accel.data.jpeg_decoders import make_decoder  # noqa: E402
-from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
+from accel.cli.data.jpeg_decoders import make_decoder  # noqa: E402
+from accel.cli.data.prepare import prepare_mock_imagenet  # noqa: E402
 
 RESAMPLING = {
     "bilinear": (Image.Resampling.BILINEAR, tvf.InterpolationMode.BILINEAR),

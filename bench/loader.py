@@ -26,15 +26,15 @@ sys.path.insert(0, str(ROOT))
 
 from PIL import Image  # noqa: E402
 
-from accel.data.config import DataConfig, MixupConfig  # noqa: E402
-from accel.data.device_decode import EncodedCrop  # noqa: E402
-from accel.data.folder import (  # noqa: E402
+from accel.cli.data.config import DataConfig, MixupConfig  # noqa: E402
+from accel.cli.data.device_decode import EncodedCrop  # noqa: E402
+from accel.cli.data.folder import (  # noqa: E402
     ImageFolderDataset,
     class_names,
     train_transform,
 )
-from accel.data.loaders import build_train_loader  # noqa: E402
-from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
+from accel.cli.data.loaders import build_train_loader  # noqa: E402
+from accel.cli.data.prepare import prepare_mock_imagenet  # noqa: E402
 from bench.compare_backends import write_result  # noqa: E402
 
 

@@ -99,7 +99,7 @@ def accel_engine(model_name: str, remat: str = "none") -> tuple[Any, str]:
         images, targets = batch
         return torch.sum(-targets * torch.log_softmax(model(images), -1), -1).mean()
 
-    # As the command line's models (accel/models/factory.py): Swin's window attention through
+    # As the command line's models (accel/cli/models/factory.py): Swin's window attention through
     # scaled_dot_product_attention too (timm keeps it on plain ops by default).
     timm.layers.set_fused_attn(True, experimental=True)
     model = Uint8Images(timm.create_model(model_name, num_classes=CLASSES))

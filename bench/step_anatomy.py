@@ -71,8 +71,8 @@ def main_step(args: argparse.Namespace):
     import torch
 
     import accel
+    from accel.cli.models.factory import ModelConfig, create_model
     from accel.losses import classifier_loss
-    from accel.models.factory import ModelConfig, create_model
 
     model = create_model(ModelConfig(name=args.model, num_classes=args.num_classes))
     weights = [p for p in model.parameters() if p.ndim > 1]

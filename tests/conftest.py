@@ -37,7 +37,7 @@ if torch_xla is not None:
 
 from PIL import Image  # noqa: E402
 
-from accel.data.prepare import prepare_mock_imagenet  # noqa: E402
+from accel.cli.data.prepare import prepare_mock_imagenet  # noqa: E402
 from tests import helpers  # noqa: E402
 
 pytest_plugins = ["tests.shared_runs"]

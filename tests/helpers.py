@@ -22,8 +22,8 @@ from torch.overrides import TorchFunctionMode
 
 from accel.backends.host_reads import HOST_READS
 from accel.cli.config import RunConfig, leaf_fields, replace_path
-from accel.data.config import DataConfig
-from accel.models.factory import ModelConfig
+from accel.cli.data.config import DataConfig
+from accel.cli.models.factory import ModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -507,7 +507,7 @@ class HostReads(TorchFunctionMode):
 
 def dirty_mock_imagenet(folder: Path, val_per_class: int) -> Path:
     """3 classes of 6 real JPEGs for training, plus every awkward kind of file in the first."""
-    from accel.data.prepare import prepare_mock_imagenet
+    from accel.cli.data.prepare import prepare_mock_imagenet
 
     root = prepare_mock_imagenet(
         folder / "imagenet",

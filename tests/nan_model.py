@@ -10,7 +10,7 @@ import torch
 from timm.models import register_model
 from torch import nn
 
-from accel.models.micro import vit_micro, vit_micro_d4
+from accel.cli.models.micro import vit_micro, vit_micro_d4
 
 NAME = "vit_micro_nan_on_white"
 # Normalised values above this in every channel and pixel: white only (255 normalises to >= 2.25).

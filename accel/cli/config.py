@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from accel.cli.data.config import DataConfig
+from accel.cli.models.factory import ModelConfig
 from accel.config import (
     AMP_LEVELS,
     ATTENTION_CHOICES,
@@ -29,8 +31,6 @@ from accel.config import (
     ConfigError,
     shared_compile_cache,
 )
-from accel.data.config import DataConfig
-from accel.models.factory import ModelConfig
 
 RECIPE_NAMES = ("swin_tiny_in1k", "deit_base_in1k", "vit_finetune")  # accel/recipes.py
 DEFAULT_EPOCHS = 1  # the run length when neither --steps nor --epochs is given

@@ -7,10 +7,10 @@ from collections.abc import Iterable
 from typing import Any, cast
 
 from accel.cli.config import RunConfig
-from accel.data.loaders import build_eval_loader
+from accel.cli.data.loaders import build_eval_loader
+from accel.cli.models.factory import input_size
 from accel.engine import Engine
 from accel.losses import classifier_metrics, summarise
-from accel.models.factory import input_size
 
 EMA_SUFFIX = "_ema"
 

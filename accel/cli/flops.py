@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from accel.models.factory import ModelConfig, create_model
+from accel.cli.models.factory import ModelConfig, create_model
 
 # Dense bf16 peak of common accelerators, TFLOP/s (vendor datasheets, without sparsity).
 PEAK_BF16_TFLOPS = {

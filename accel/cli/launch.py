@@ -24,22 +24,22 @@ from accel.backends import backend_module  # noqa: E402
 from accel.backends.base import BackendModule, BackendUnavailable, RecompileError  # noqa: E402
 from accel.checkpoint import flatten  # noqa: E402
 from accel.cli.config import RunConfig, from_dict  # noqa: E402
+from accel.cli.data.augment import AugmentError  # noqa: E402
+from accel.cli.data.folder import BadImageError, DatasetError  # noqa: E402
 from accel.cli.messages import as_flags  # noqa: E402
+from accel.cli.models.factory import ModelError  # noqa: E402
+from accel.cli.models.pretrained import PretrainedError  # noqa: E402
 from accel.cli.options import build_parser, config_from_args  # noqa: E402
 from accel.cli.resolve import resolve  # noqa: E402
 from accel.cli.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from accel.config import ConfigError  # noqa: E402
-from accel.data.augment import AugmentError  # noqa: E402
-from accel.data.folder import BadImageError, DatasetError  # noqa: E402
-from accel.data.lifetime import exit_with_parent  # noqa: E402
 from accel.distributed import (  # noqa: E402
     destroy_process_group,
     env_context,
     first_difference,
     launched_by_torchrun,
 )
-from accel.models.factory import ModelError  # noqa: E402
-from accel.models.pretrained import PretrainedError  # noqa: E402
+from accel.workers.lifetime import exit_with_parent  # noqa: E402
 
 USER_ERRORS = (
     ConfigError,

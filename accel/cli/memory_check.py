@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 
 from accel.cli.config import RunConfig
+from accel.cli.models.factory import create_model
 from accel.config import ConfigError
-from accel.models.factory import create_model
 
 GIB = 2**30
 

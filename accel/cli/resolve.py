@@ -15,17 +15,17 @@ from accel.backends.base import BackendModule
 from accel.checkpoint import latest_checkpoint, read_meta
 from accel.cli.checkpoints import resume_mismatches, saved_config
 from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, validate
+from accel.cli.data.augment import check_augment
+from accel.cli.data.config import DataConfig
+from accel.cli.data.folder import count_images
+from accel.cli.data.loaders import folder_num_classes
 from accel.cli.job import backend_config, mesh_config
 from accel.cli.memory_check import check_memory
+from accel.cli.models.factory import check_input_size, check_model_name, create_model, meta_model
+from accel.cli.models.pretrained import fit, read_state_dict, source_of
 from accel.cli.recipes import describe
 from accel.cli.runs import check_free, latest_resumable, new_run_name
 from accel.config import ConfigError
-from accel.data.augment import check_augment
-from accel.data.config import DataConfig
-from accel.data.folder import count_images
-from accel.data.loaders import folder_num_classes
-from accel.models.factory import check_input_size, check_model_name, create_model, meta_model
-from accel.models.pretrained import fit, read_state_dict, source_of
 from accel.parallel.mesh import ParallelDims
 from accel.parallel.pipeline import is_vit, stages_per_rank
 from accel.parallel.tensor_parallel import resolve_plan
@@ -124,7 +124,7 @@ def resolve_decode_on(cfg: RunConfig, gpu_decoding: bool = True) -> tuple[str, s
         raise ConfigError(f"--data_device gpu: {reason}")
     if reason:
         return "workers", None
-    from accel.data.jpeg_decoders import decoding_error
+    from accel.cli.data.jpeg_decoders import decoding_error
 
     refused = decoding_error(torch.device("cuda"))
     if refused:

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from accel.checkpoint import remove_stale_temporaries, storage_error
 from accel.cli.checkpoints import CheckpointManager
 from accel.cli.config import RunConfig
+from accel.cli.data.loaders import build_train_loader
 from accel.cli.evaluation import Evaluator
 from accel.cli.flops import train_flops_per_image
 from accel.cli.job import LRSchedule, build_engine
@@ -31,13 +32,12 @@ from accel.cli.metrics import (
     steady_images_per_sec,
     utilisation,
 )
+from accel.cli.models.factory import input_size
 from accel.cli.runs import RunLock
 from accel.cli.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
 from accel.config import ConfigError
-from accel.data.loaders import build_train_loader
 from accel.distributed import all_gather_ints
 from accel.engine import Engine
-from accel.models.factory import input_size
 from accel.report.summary import RunSummary
 from accel.versions import stack
 

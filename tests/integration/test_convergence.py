@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from accel.data.prepare import prepare_digits
+from accel.cli.data.prepare import prepare_digits
 from bench.convergence import BACKENDS, FLAGS, curves
 from tests.helpers import DEFAULT_XLA, INSTALLED, train, train_cli
 

@@ -8,7 +8,7 @@ import time
 import psutil
 import pytest
 
-from accel.data.prepare import prepare_mock_imagenet
+from accel.cli.data.prepare import prepare_mock_imagenet
 from tests.helpers import rank_process, run_cli, start_cli
 
 pytestmark = pytest.mark.slow  # ranks in processes

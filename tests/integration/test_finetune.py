@@ -15,7 +15,7 @@ from accel.backends.base import BackendStats
 from accel.cli.export import main as export_main
 from accel.cli.job import parameter_settings
 from accel.cli.launch import main
-from accel.models.factory import ModelConfig, create_model, meta_model
+from accel.cli.models.factory import ModelConfig, create_model, meta_model
 from accel.report.run_records import Run, run_row
 from accel.report.summary import RunSummary
 from tests.helpers import (
@@ -211,7 +211,7 @@ def test_pretrained_finds_timms_cached_file(tmp_path):
     """The Hugging Face cache layout timm downloads into: refs/main names the snapshot."""
     code = (
         "import os, timm\n"
-        "from accel.models.pretrained import timm_cache_file\n"
+        "from accel.cli.models.pretrained import timm_cache_file\n"
         "hub = timm.models.get_pretrained_cfg('vit_tiny_patch16_224').hf_hub_id\n"
         f"repo = os.path.join({str(tmp_path)!r}, 'models--' + hub.replace('/', '--'))\n"
         "os.makedirs(os.path.join(repo, 'refs'))\n"

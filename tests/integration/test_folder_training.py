@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from accel.cli.data.config import MixupConfig
 from accel.cli.train import Trainer
-from accel.data.config import MixupConfig
 from tests.helpers import dirty_mock_imagenet, launch, micro_config, read_summary
 
 

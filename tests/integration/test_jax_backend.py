@@ -11,9 +11,9 @@ from accel.backends import jax as jax_backend
 from accel.backends.base import BackendUnavailable
 from accel.backends.jax import runtime as jax_runtime
 from accel.checkpoint import latest_checkpoint, to_cpu
+from accel.cli.data.config import MixupConfig
+from accel.cli.data.loaders import build_eval_loader
 from accel.cli.train import Trainer
-from accel.data.config import MixupConfig
-from accel.data.loaders import build_eval_loader
 from accel.losses import classifier_metrics, summarise
 from tests.helpers import (
     TWO_HOST_DEVICES,

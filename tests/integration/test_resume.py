@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from accel.checkpoint import read_meta
+from accel.cli.data.config import DataConfig
+from accel.cli.data.prepare import prepare_mock_imagenet
 from accel.cli.train import Trainer
-from accel.data.config import DataConfig
-from accel.data.prepare import prepare_mock_imagenet
 from tests.helpers import launch, micro_config, read_summary, run_cli, start_cli
 
 JOB = (

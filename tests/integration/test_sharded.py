@@ -16,9 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 from accel.amp import amp_policy
+from accel.cli.models.factory import ModelConfig, create_model
 from accel.cli.runs import in_use
 from accel.distributed import destroy_process_group
-from accel.models.factory import ModelConfig, create_model
 from accel.parallel import fsdp
 from tests import nan_model
 from tests.helpers import (

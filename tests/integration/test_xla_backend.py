@@ -5,8 +5,8 @@ import torch
 
 from accel.backends.base import BackendUnavailable
 from accel.backends.xla import check_versions, compile_count
+from accel.cli.data.config import MixupConfig
 from accel.cli.train import Trainer
-from accel.data.config import MixupConfig
 from tests.helpers import job_backend, micro_config, run_cli_without, run_python, train
 
 MIXUP = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)

@@ -1,7 +1,8 @@
 """The rules that keep the structure simple, read from the code's own imports: no import circles;
-the library never imports the command line or the report; accel/parallel/ below the backends;
-accel/data/ and accel/models/ independent of the rest of accel; each framework imported only by
-its backend; the command line trains through accel.prepare and reads no backend member."""
+the library never imports the command line or the report, and knows neither; accel/parallel/
+below the backends; the command line's task (accel/cli/data/, accel/cli/models/) independent of
+the rest of accel; each framework imported only by its backend; the command line trains through
+accel.prepare and reads no backend member."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from accel.engine import Engine
 from tests.helpers import ROOT
 
 PACKAGES = ("accel",)
-STANDALONE = ("accel.data", "accel.models")  # usable without the rest of accel
+STANDALONE = ("accel.cli.data", "accel.cli.models")  # usable without the rest of accel
 CLIENTS = ("accel.cli", "accel.report")  # the library's clients, in folders of their own
 # `python -m accel.launch_single_task` keeps its name: the one library-level file that imports
 # the command line (it is its entry point, nothing imports it).
@@ -96,8 +97,8 @@ def test_parallel_and_data_import_no_backend_and_data_no_accel():
     for name, deps in _graph().items():
         if name.startswith(("accel.parallel", *STANDALONE)):
             assert not any(d.startswith("accel.backends") for d in deps), (name, deps)
-        if name.startswith(STANDALONE):
-            assert all(d.startswith(STANDALONE) for d in deps), (name, deps)
+        if name.startswith(STANDALONE):  # and the loader workers the library starts
+            assert all(d.startswith((*STANDALONE, "accel.workers")) for d in deps), (name, deps)
 
 
 def test_each_framework_is_imported_by_its_backend_only():
@@ -123,8 +124,9 @@ def test_the_library_never_imports_its_clients():
 
 
 def test_the_loop_and_the_launcher_do_not_probe_the_backend():
-    """Nothing of the command line branches on a backend's name or probes its attributes."""
-    for path in (ROOT / "accel" / "cli").rglob("*.py"):
+    """Nothing of the command line branches on a backend's name or probes its attributes (its
+    task's models and data, in folders of their own, know no backend)."""
+    for path in (ROOT / "accel" / "cli").glob("*.py"):
         text = path.read_text()
         assert "hasattr(" not in text and "getattr(self.backend" not in text, path
         assert 'backend == "' not in text and "backend.name ==" not in text, path
@@ -302,6 +304,36 @@ def test_what_a_backend_cannot_run_is_refused_from_its_support_table_only():
                     text = ast.unparse(node.exc)
                     named = [k for k in SUPPORTED_KEYWORDS if k in text]
                     assert not named, (str(path.relative_to(ROOT)), node.lineno, named)
+
+
+# What only the command line knows: its commands, and the classes of its task and its options.
+COMMANDS = ("launch_single_task", "accel-report", "accel-export", "accel-prepare")
+CLI_CLASSES = ("ImageClassifier", "ModelConfig", "DataConfig", "MixupConfig", "RunConfig")
+
+
+def _library_files() -> list[Path]:
+    """Every file of accel/ but its clients (the command line, the report) and the command
+    line's entry point."""
+    clients = tuple(ROOT / c.replace(".", "/") for c in CLIENTS)
+    entry = {ROOT / f"{e.replace('.', '/')}.py" for e in ENTRY_POINTS}
+    return [
+        p for p in (ROOT / "accel").rglob("*.py")
+        if not p.is_relative_to(clients[0]) and not p.is_relative_to(clients[1]) and p not in entry
+    ]  # fmt: skip
+
+
+def test_the_library_knows_no_command_line():
+    """No file of the library holds flag text, a command's name or a class of the command
+    line's task (its models and data, with their options' flags, live under accel/cli/)."""
+    files = _library_files()
+    assert ROOT / "accel" / "api.py" in files and ROOT / "accel" / "workers" in {
+        p.parent for p in files
+    }
+    for path in files:
+        text, rel = path.read_text(), str(path.relative_to(ROOT))
+        flags = re.findall(r"(?<![\w-])--[a-z][\w-]*", text)
+        named = [n for n in (*COMMANDS, *CLI_CLASSES) if n in text]
+        assert not flags and not named, (rel, flags, named)
 
 
 def test_no_test_reads_an_engines_backend():

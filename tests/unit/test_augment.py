@@ -14,12 +14,12 @@ from PIL import Image
 from timm.data.random_erasing import RandomErasing
 from timm.data.transforms_factory import transforms_imagenet_train
 
-from accel.data.augment import erase_boxes, with_safe_posterize
-from accel.data.config import DataConfig
-from accel.data.folder import RandomResizedCropDecode
-from accel.data.loaders import keyed_randomness
-from accel.data.sampling import ShardedBatchSampler
-from accel.models.erasing import random_erase
+from accel.cli.data.augment import erase_boxes, with_safe_posterize
+from accel.cli.data.config import DataConfig
+from accel.cli.data.folder import RandomResizedCropDecode
+from accel.cli.data.loaders import keyed_randomness
+from accel.cli.data.sampling import ShardedBatchSampler
+from accel.cli.models.erasing import random_erase
 
 SIDE, OUT, DRAWS = 96, 32, 300
 SAME, DIFFERENT = 0.15, 0.3  # KS distances: within sampling noise at 300 draws; far outside it
@@ -209,7 +209,7 @@ def test_full_magnitude_posterize_runs_on_this_pillow():
     image as older Pillow did instead of failing the worker."""
     from timm.data import auto_augment
 
-    from accel.data.augment import secondary
+    from accel.cli.data.augment import secondary
 
     stage = secondary(DataConfig(aa="rand-m9-mstd0.5-inc1"), OUT)
     ops = [op for t in stage.transforms for op in getattr(t, "ops", [])]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from accel.backends import resolve_backend
+from accel.cli.data.prepare import prepare_mock_imagenet
 from accel.cli.launch import main
-from accel.data.prepare import prepare_mock_imagenet
 from tests.helpers import run_cli
 
 BASE = ("--steps", "1", "--batch_size", "8", "--workers", "0")

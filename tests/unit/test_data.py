@@ -1,11 +1,11 @@
 import pytest
 import torch
 
-from accel.data import fork_server
-from accel.data.config import DataConfig, MixupConfig
-from accel.data.loaders import build_eval_loader, build_train_loader
-from accel.data.sampling import PaddedEvalBatchSampler, ShardedBatchSampler
-from accel.data.synthetic import SyntheticImages
+from accel.cli.data.config import DataConfig, MixupConfig
+from accel.cli.data.loaders import build_eval_loader, build_train_loader
+from accel.cli.data.sampling import PaddedEvalBatchSampler, ShardedBatchSampler
+from accel.cli.data.synthetic import SyntheticImages
+from accel.workers import fork_server
 
 
 def test_synthetic_is_deterministic_per_index():

@@ -8,15 +8,15 @@ import pytest
 import torch
 
 from accel.cli.config import replace_path
+from accel.cli.data.collate import TrainCollate
+from accel.cli.data.config import DataConfig, MixupConfig
+from accel.cli.data.device_decode import DeviceDecodedLoader
+from accel.cli.data.folder import BadImageError
+from accel.cli.data.jpeg_decoders import decoding_error as device_decoding_error
+from accel.cli.data.loaders import build_train_loader
+from accel.cli.data.sampling import SampleKey
 from accel.cli.resolve import resolve_decode_on
 from accel.config import ConfigError
-from accel.data.collate import TrainCollate
-from accel.data.config import DataConfig, MixupConfig
-from accel.data.device_decode import DeviceDecodedLoader
-from accel.data.folder import BadImageError
-from accel.data.jpeg_decoders import decoding_error as device_decoding_error
-from accel.data.loaders import build_train_loader
-from accel.data.sampling import SampleKey
 from tests.helpers import dirty_mock_imagenet, micro_config
 
 MIX = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)

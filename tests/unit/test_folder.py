@@ -4,9 +4,9 @@ import pytest
 import torch
 from PIL import Image
 
-from accel.data.config import DataConfig
-from accel.data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
-from accel.data.loaders import build_train_loader
+from accel.cli.data.config import DataConfig
+from accel.cli.data.folder import BadImageError, DatasetError, ImageFolderDataset, eval_transform
+from accel.cli.data.loaders import build_train_loader
 from tests.helpers import dirty_mock_imagenet
 
 

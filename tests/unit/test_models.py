@@ -3,7 +3,7 @@ import os
 import pytest
 import torch
 
-from accel.models.factory import ModelConfig, UnknownModelError, check_model_name, create_model
+from accel.cli.models.factory import ModelConfig, UnknownModelError, check_model_name, create_model
 
 
 @pytest.mark.parametrize("name", ["vit_micro", "swin_micro"])

@@ -13,7 +13,7 @@ from accel.checkpoint import (
 )
 from accel.cli.config import OptimConfig
 from accel.cli.job import LRSchedule, parameter_settings
-from accel.models.factory import ModelConfig, create_model
+from accel.cli.models.factory import ModelConfig, create_model
 
 
 def test_schedule_warms_up_then_decays_to_min():

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from accel.cli.models import ModelConfig, create_model
 from accel.losses import (
     ClassificationBatches,
     ClassificationSums,
@@ -17,7 +18,6 @@ from accel.losses import (
     classifier_metrics,
     soft_target_loss,
 )
-from accel.models import ModelConfig, create_model
 from accel.parallel import fsdp, pipeline, tp_head
 from accel.parallel.materialize import named_tensors
 

@@ -14,9 +14,9 @@ import timm
 import torch
 from torch import nn
 
-from accel.models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
-from accel.models.erasing import random_erase
-from accel.models.pretrained import load_pretrained
+from accel.cli.models import micro  # noqa: F401  (registers vit_micro and swin_micro with timm)
+from accel.cli.models.erasing import random_erase
+from accel.cli.models.pretrained import load_pretrained
 
 
 class ModelError(ValueError):

@@ -1,8 +1,8 @@
 """Imported by the loader's fork server as it starts (first, before torch), and by nothing else:
-from then on the fork server exits when the trainer that started it dies (see data/lifetime.py)."""
+from then on the fork server exits when the trainer that started it dies (workers/lifetime.py)."""
 
 import os
 
-from accel.data.lifetime import PARENT, exit_with_parent
+from accel.workers.lifetime import PARENT, exit_with_parent
 
 exit_with_parent(parent=int(os.environ[PARENT]) if PARENT in os.environ else None)

@@ -17,8 +17,8 @@ from timm.data import RandomResizedCropAndInterpolation
 from torch.utils.data import Dataset
 from torchvision.datasets.folder import find_classes, make_dataset
 
-from accel.data.augment import interpolation, secondary
-from accel.data.config import DataConfig
+from accel.cli.data.augment import interpolation, secondary
+from accel.cli.data.config import DataConfig
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".ppm", ".gif")
 DECODE_ERRORS = (OSError, UnidentifiedImageError, ValueError, SyntaxError)

@@ -1,4 +1,4 @@
-from accel.models.factory import (
+from accel.cli.models.factory import (
     ImageClassifier,
     ModelConfig,
     ModelError,

@@ -21,12 +21,12 @@ from PIL import Image
 from torch.utils.data import DataLoader
 from torchvision.transforms.v2 import functional as tvf
 
-from accel.data.augment import device_secondary
-from accel.data.collate import Sample, TrainCollate, erase_batch
-from accel.data.config import DataConfig
-from accel.data.folder import DecodeCrop
-from accel.data.jpeg_decoders import make_decoder
-from accel.data.sampling import SampleKey, key_seed
+from accel.cli.data.augment import device_secondary
+from accel.cli.data.collate import Sample, TrainCollate, erase_batch
+from accel.cli.data.config import DataConfig
+from accel.cli.data.folder import DecodeCrop
+from accel.cli.data.jpeg_decoders import make_decoder
+from accel.cli.data.sampling import SampleKey, key_seed
 
 # Colour modes nvJPEG decodes to RGB; other JPEGs (CMYK, YCCK) are decoded by the workers.
 DEVICE_MODES = ("RGB", "L")

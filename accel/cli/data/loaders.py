@@ -14,21 +14,26 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from accel.data import fork_server
-from accel.data.augment import erase_boxes
-from accel.data.collate import TrainCollate, eval_collate
-from accel.data.config import DataConfig
-from accel.data.device_decode import DeviceDecodedLoader, DeviceDecoder, EncodedCollate, EncodedCrop
-from accel.data.folder import (
+from accel.cli.data.augment import erase_boxes
+from accel.cli.data.collate import TrainCollate, eval_collate
+from accel.cli.data.config import DataConfig
+from accel.cli.data.device_decode import (
+    DeviceDecodedLoader,
+    DeviceDecoder,
+    EncodedCollate,
+    EncodedCrop,
+)
+from accel.cli.data.folder import (
     DecodeCrop,
     ImageFolderDataset,
     class_names,
     eval_transform,
     train_transform,
 )
-from accel.data.lifetime import worker_init
-from accel.data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
-from accel.data.synthetic import SyntheticImages
+from accel.cli.data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
+from accel.cli.data.synthetic import SyntheticImages
+from accel.workers import fork_server
+from accel.workers.lifetime import worker_init
 
 
 @contextlib.contextmanager
@@ -110,7 +115,7 @@ def worker_context() -> multiprocessing.context.BaseContext:
     the workers it forks, exit when their parent dies (data/lifetime.py)."""
     context = multiprocessing.get_context("forkserver")
     # The lifetime preload first: torch takes seconds to import, and the trainer may die meanwhile.
-    fork_server.preload("accel.data.loaders")
+    fork_server.preload("accel.cli.data.loaders")
     # Started here, by the thread that builds the loader (the trainer's main one): the kernel
     # signals a child when the *thread* that started it ends, and a loader may first be
     # iterated by a short-lived prefetching thread.

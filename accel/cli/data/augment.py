@@ -27,8 +27,8 @@ from PIL import Image, ImageOps
 from timm.data import auto_augment
 from timm.data.transforms_factory import transforms_imagenet_train
 
-from accel.data.config import DataConfig
-from accel.models.erasing import BOX, MODES
+from accel.cli.data.config import DataConfig
+from accel.cli.models.erasing import BOX, MODES
 
 INTERPOLATIONS = {"bilinear": Image.Resampling.BILINEAR, "bicubic": Image.Resampling.BICUBIC}
 # timm's policy names, then '-'-separated settings it reads (m9, mstd0.5, inc1, n2, w3, ...):

@@ -1,4 +1,4 @@
-"""Imported by a loader's fork server after torch (data/fork_server.py's preload), and by nothing
+"""Imported by a loader's fork server after torch (workers/fork_server.py's preload), and by nothing
 else: the script that started the server, imported here once as each worker would import it
 (as `__mp_main__`, with the script's sys.path and argv), so that the workers forked from here
 find it imported and do not run it again."""
@@ -11,7 +11,7 @@ import sys
 import types
 from multiprocessing import spawn
 
-from accel.data import fork_server
+from accel.workers import fork_server
 
 
 def import_main(script: dict) -> None:

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from timm.data.mixup import FastCollateMixup, cutmix_bbox_and_lam, mixup_target
 
-from accel.data.config import MixupConfig
-from accel.data.sampling import SampleKey, key_seed
+from accel.cli.data.config import MixupConfig
+from accel.cli.data.sampling import SampleKey, key_seed
 
 # image, label, files skipped to get it, its key, its erasing rectangles (None: no erasing)
 Sample = tuple[torch.Tensor, int, tuple[str, ...], SampleKey, np.ndarray | None]

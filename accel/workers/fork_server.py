@@ -4,7 +4,7 @@ A worker that a fork server forks needs torch and the script that runs (a datase
 function defined there is pickled by reference). Where the server has not imported them, every
 worker of every pass imports them itself: seconds a pass on a small machine. multiprocessing's
 own preloading of `__main__` does nothing before Python 3.13.8 (CPython gh-126631: the script's
-path never reached the server), so data/forkserver_main.py imports the script there, as each
+path never reached the server), so workers/forkserver_main.py imports the script there, as each
 worker would. Only a script that keeps its work under `if __name__ == "__main__":` is imported:
 any other would run whole in the server, as it would in each worker (`workers_problem` says so
 before any worker starts).
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from torch.utils.data import DataLoader
 
-from accel.data.lifetime import PARENT
+from accel.workers.lifetime import PARENT
 
 MAIN = "ACCEL_FORKSERVER_MAIN"  # the script the fork server imports, and how (JSON)
 
@@ -31,15 +31,15 @@ importing_main = False  # True in a fork server while it imports the script (for
 
 
 def preload(*modules: str) -> None:
-    """Have the fork server import, before it forks any worker: data/lifetime.py's preload first
+    """Have the fork server import, before it forks any worker: workers/lifetime.py's preload first
     (the server then ends with this process), torch, `modules`, then the script that runs where
     its work is under its main guard. One fork server serves the whole process, and reads the
     list as it starts: the first start after this call takes it."""
-    names = ["accel.data.forkserver_preload", "torch", *modules]
+    names = ["accel.workers.forkserver_preload", "torch", *modules]
     script = main_script()
     if script is not None and guarded(script["file"]):
         os.environ[MAIN] = json.dumps(script)
-        names.append("accel.data.forkserver_main")
+        names.append("accel.workers.forkserver_main")
     else:
         os.environ.pop(MAIN, None)
     multiprocessing.set_forkserver_preload(names)
@@ -102,7 +102,7 @@ def workers_problem(batches: Iterable) -> str | None:
     """Before `batches` (a DataLoader, say) is first iterated, perhaps by another thread: what
     stops its workers, in a line (a script without a main guard, which each worker would run
     again), or None, its fork server then started here (a server that preloads
-    data/lifetime.py ends with the thread that started it, and a short-lived one that
+    workers/lifetime.py ends with the thread that started it, and a short-lived one that
     prefetches would leave each pass a new server to start)."""
     if not isinstance(batches, DataLoader):
         return None
