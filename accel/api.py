@@ -175,13 +175,13 @@ def prepare(
             f"give the backend's settings as config= or as keywords, not both ({', '.join(given)}"
             " given with config=)"
         )
-    cfg = config or keyword_config(ema=ema is not None, **keywords)
-    if cfg.step.ema and ema is None:
+    config = config or keyword_config(ema=ema is not None, **keywords)
+    if config.step.ema and ema is None:
         ema = DEFAULT_EMA_DECAY
-    name, why = choose_backend(cfg.backend or None)
-    cfg = settled(cfg, name, ema)
+    name, why = choose_backend(config.backend or None)
+    config = settled(config, name, ema)
     try:  # it runs here, and runs every setting given (float16, a shard mode, ...)
-        module = check_supported(cfg)
+        module = check_supported(config)
     except BackendUnavailable as err:
         raise AccelError(str(err)) from None
     if not any(p.requires_grad for p in model.parameters()):
@@ -191,20 +191,20 @@ def prepare(
         )
     check_float32(model)
     splits: dict[str, int] = {}
-    if cfg.mesh.tp > 1:  # what splits, refused in one line before anything is built
-        splits = weight_splits(model, resolve_plan(model, cfg.mesh.tp_plan, cfg.mesh.tp))
-    check_ties(model, cfg, splits)
+    if config.mesh.tp > 1:  # what splits, refused in one line before anything is built
+        splits = weight_splits(model, resolve_plan(model, config.mesh.tp_plan, config.mesh.tp))
+    check_ties(model, config, splits)
     spec = OptimizerSpec.of(optimizer, model)
     refused = spec.refusals()
     if refused:
         raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
     # The one place a process joins its peers: the process group (eager, compile), xla's
     # runtime, jax.distributed; the command line and the user's script read it from the Engine.
-    ctx = module.context(cfg)
+    ctx = module.context(config)
     if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
         init_process_group(ctx)
-        check_same_on_every_rank(cfg)
-    runner = module.build(cfg, ctx)
+        check_same_on_every_rank(config)
+    runner = module.build(config, ctx)
     if runner.threaded and multiprocessing.get_start_method(allow_none=True) is None:
         # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and
         # Python warns of it: the script's DataLoaders start theirs from a fork server (Python
@@ -215,13 +215,13 @@ def prepare(
     runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
         print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
-    decay = ema if callable(ema) else (ema or 0.0) if cfg.step.ema else 0.0
+    decay = ema if callable(ema) else (ema or 0.0) if config.step.ema else 0.0
     # The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
     # does, so torch's warning that the scheduler stepped first would be wrong every time.
     warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
     rates = LearningRates(spec, schedule, optimizer)
     engine = Engine(
-        runner, ctx, rates, cfg.step.accum, decay, state, cfg.compiler.max_recompiles, model
+        runner, ctx, rates, config.step.accum, decay, state, config.compiler.max_recompiles, model
     )
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
