@@ -83,7 +83,7 @@ def check_tp(mesh: MeshConfig) -> None:
         return
     raise ConfigError(
         f"tp={mesh.tp} on xla splits the devices of the SPMD mesh one process drives: give "
-        f"devices=N, N a multiple of {mesh.tp}"
+        f"devices=N, N a multiple of {mesh.tp}; devices={mesh.devices}"
     )
 
 
