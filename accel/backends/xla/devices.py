@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from accel.amp import AmpPolicy
-from accel.backends.xla.runtime import check_autograd, check_tp, torch_xla, xm, xr, xs
+from accel.backends.xla.runtime import check_autograd, torch_xla, xm, xr, xs
 from accel.config import BackendConfig
 from accel.distributed import DistContext
 from accel.parallel import effective_shard
@@ -39,7 +39,6 @@ class XlaDevices:
         check_autograd(self.device)
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed
-        check_tp(cfg.mesh)
         self.count = cfg.mesh.devices if self.spmd else 1
         # Devices the global batch is split over: the mesh's `dp` axis.
         self.replicas = self.count
