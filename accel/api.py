@@ -143,7 +143,10 @@ def prepare(
         "rowwise_whole" | "replicate"}, the linear layers tp splits (see
         accel.parallel.tensor_parallel): {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}.
     pp: pipeline stages (eager; the command line's ViT classifier and its loss only).
-    seed: the seed of the backend's own random draws (dropout, stochastic depth on jax and xla).
+    seed: the seed of the random draws inside `step` (dropout, stochastic depth), on every
+        backend: each data replica draws its own stream, derived from `seed` and its replica
+        index, and saved with a checkpoint. A step neither reads nor advances torch's global
+        generator: your data order, augmentation and initial weights stay yours to seed.
     attention: the jax backend's attention kernels: "xla" (XLA's own ops, no custom call),
         "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU) or "auto"
         (by shape: cuDNN for long unbiased sequences such as ViT's, XLA for biased or

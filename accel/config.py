@@ -45,10 +45,10 @@ class StepConfig:
 
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
     clip_grad: the gradients' global norm limit (0: none). accum: micro-batches a step's batch
-    is split into. ema: keep an exponential moving average of the weights. seed: the backend's
-    own random draws. remat: recompute each block's activations in the backward ("none"; "dots":
-    keep its matmuls' outputs, recompute the rest; "full": recompute all of it;
-    accel/parallel/remat.py). kernel_opt: the backend's
+    is split into. ema: keep an exponential moving average of the weights. seed: the random
+    draws inside a step, a stream per data replica (accel.prepare). remat: recompute each
+    block's activations in the backward ("none"; "dots": keep its matmuls' outputs, recompute
+    the rest; "full": recompute all of it; accel/parallel/remat.py). kernel_opt: the backend's
     extra fused paths (accel.backends.support_matrix() lists them). attention: the jax
     backend's attention kernels: "xla" (XLA's own ops), "cudnn" (cuDNN flash attention wherever
     it takes the shape) or "auto" (by shape, accel/backends/jax/attention.py); on a CPU all

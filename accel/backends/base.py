@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Protocol, runtime_checkable
 import numpy as np
 import torch
 
+from accel.amp import amp_policy
 from accel.config import AMP_LEVELS, BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
@@ -106,6 +107,18 @@ def split_loss(out: Any) -> tuple[Any, dict[str, Any]]:
     return out, dict(sorted(extras.items()))
 
 
+def replica_seed(seed: int, replica: int) -> int:
+    """The seed of data replica `replica`'s stream of step draws (dropout, stochastic depth),
+    from prepare's `seed`: numpy's SeedSequence mixes the two, so neighbouring seeds and replicas
+    give unrelated streams, none of them the one torch.manual_seed(seed) gives the user's own
+    draws. A 32-bit number, which every backend's generator takes.
+
+    >>> replica_seed(0, 0) != replica_seed(0, 1) != replica_seed(1, 0)
+    True
+    """
+    return int(np.random.SeedSequence([seed % 2**64, replica]).generate_state(1)[0])
+
+
 class BackendUnavailable(RuntimeError):
     """The backend cannot run here (missing package, version mismatch): one line, exit 2."""
 
@@ -164,6 +177,44 @@ class BackendStats:
         fields = asdict(self)
         details = fields.pop("details")  # flat: no nested copy beside its fields
         return {**fields, **details}
+
+
+class BackendBase:
+    """What every backend does the same, written once: it keeps the config and the process's
+    context it was built with, and builds the one AMP policy of the config's step (accel.amp)."""
+
+    def __init__(self, cfg: BackendConfig, ctx: DistContext):
+        self.cfg, self.ctx = cfg, ctx
+        self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
+
+
+class Forwarded:
+    """A Backend method that one part of a backend does, named once in the class body:
+    `train_step = Forwarded("step")` is `self.step.train_step`, and `Forwarded("step",
+    "compiled")` is `self.step.compiled`. The backends composed of parts (xla, jax) keep only
+    what differs from their parts' own methods.
+
+    >>> class Part:
+    ...     def twice(self, x):
+    ...         return 2 * x
+    >>> class Composed:
+    ...     twice = Forwarded("part")
+    ...     def __init__(self):
+    ...         self.part = Part()
+    >>> Composed().twice(3)
+    6
+    """
+
+    def __init__(self, part: str, method: str = ""):
+        self.part, self.method = part, method
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.method = self.method or name
+
+    def __get__(self, obj: object, owner: type | None = None) -> Any:
+        if obj is None:
+            return self
+        return getattr(getattr(obj, self.part), self.method)
 
 
 @runtime_checkable
@@ -240,7 +291,8 @@ class Backend(Protocol):
         or gathered: its own tensors (DTensors, XLA tensors, jax arrays), with their layouts."""
 
     def rng_state(self) -> dict[str, torch.Tensor]:
-        """This replica's device random generator state (empty where there is none)."""
+        """This replica's random states the backend keeps: the stream of the step's draws
+        (`seed=`, `replica_seed`) and the device's own generator where it has one."""
 
     def load_rng_state(self, state: dict[str, torch.Tensor]) -> None: ...
 

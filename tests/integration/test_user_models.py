@@ -359,6 +359,31 @@ def test_a_parameter_the_forward_never_reads_is_left_alone(backend, kind):
     assert not torch.equal(state["lin.bias"], WithUnused().lin.bias)  # the rest trained
 
 
+def dropout_losses(backend: str, seed: int, script_seed: int) -> list[float]:
+    """WithUnused's dropout trained 3 steps with `seed=`, after the script seeded torch with
+    `script_seed` (as a script seeds its data order); torch's generator is as the script left
+    it after the steps."""
+    torch.manual_seed(0)
+    model = WithUnused()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    engine = accel.prepare(model, optimizer, cross_entropy, backend=backend, quiet=True, seed=seed)
+    data = vector_batches(3)
+    torch.manual_seed(script_seed)
+    scripts = torch.get_rng_state()
+    losses = [r.loss for r in engine.fetch([engine.step(*b) for b in data])]
+    assert torch.equal(torch.get_rng_state(), scripts)  # neither read nor advanced
+    return losses
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_seed_alone_sets_the_draws_inside_the_step_on_every_backend(backend):
+    """seed= means one thing everywhere: the step's dropout follows it, not torch's global
+    generator, which the steps leave as the script left it."""
+    first = dropout_losses(backend, seed=1, script_seed=0)
+    assert dropout_losses(backend, seed=1, script_seed=7) == first
+    assert dropout_losses(backend, seed=2, script_seed=0) != first
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_model_given_in_bfloat16_is_refused_in_one_line(backend):
     model = WithUnused().to(torch.bfloat16)

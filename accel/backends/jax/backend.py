@@ -5,21 +5,18 @@ the programs XLA compiles)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
 import torch
 
 import accel.backends.jax.runtime as runtime
-from accel.amp import amp_policy
 from accel.backends.base import (
+    BackendBase,
     BackendStats,
-    Batch,
+    Forwarded,
     LossFn,
-    MetricFn,
     ModelInit,
-    StepResult,
     split_batch,
 )
 from accel.backends.jax.attention import AttentionKernels
@@ -37,7 +34,10 @@ from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
 
 
-class JaxBackend:
+class JaxBackend(BackendBase):
+    """JAX's XLA through torchax: the torch model traced into one jitted step over arrays of
+    its own."""
+
     name = "jax"
     pin_memory = False  # device_put stages host arrays itself
     trains_in_place = False  # arrays of its own; the torch module is traced, never run
@@ -47,9 +47,8 @@ class JaxBackend:
     sharded_checkpoint = False  # one process holds every array it trains: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
-        step = cfg.step  # float16 is refused before (SUPPORTS.float16: accel.backends.refusals)
-        self.cfg = cfg
-        self.amp = amp_policy(step.amp, step.amp_dtype)
+        super().__init__(cfg, ctx)  # float16 is refused before (SUPPORTS.float16: refusals)
+        step = cfg.step
         self.precision = Precision.of(self.amp)
         # Before the first compile: JAX reads the cache settings once per process. Every
         # program is kept, not only those that took a second to compile (JAX's default): a
@@ -96,10 +95,20 @@ class JaxBackend:
         """The user's optimizer as optax, one chain per parameter group."""
         return self.state.optimizer
 
-    # --- training -----------------------------------------------------------------------------
-    def device_batches(self, batches: Iterable[Batch]) -> Iterator[tuple]:
-        return self.runtime.device_batches(batches)
+    # --- what its parts do ---------------------------------------------------------------------
+    device_batches = Forwarded("runtime")
+    any_rank = Forwarded("runtime")
+    fetch_results = Forwarded("step")
+    step_compiles = Forwarded("step", "compiled")
+    evaluate_sums = Forwarded("evaluation", "sums")
+    forward = Forwarded("evaluation")
+    checkpoint_state = Forwarded("state")
+    load_checkpoint_state = Forwarded("state")
+    live_state = Forwarded("state")
+    rng_state = Forwarded("state")
+    load_rng_state = Forwarded("state")
 
+    # --- training -----------------------------------------------------------------------------
     def split(self, batch: tuple, parts: int) -> list[tuple]:
         """Host tensors are cut on the host (sent once stacked, by `stacked`); a batch on the
         devices is cut there."""
@@ -119,43 +128,9 @@ class JaxBackend:
         """The micro-batches as the step takes them: each tensor [micro-steps, batch, ...]."""
         return self.runtime.stacked(micro_batches)
 
-    def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
-        return self.step.fetch_results(handles)
-
-    # --- evaluation ---------------------------------------------------------------------------
-    def evaluate_sums(
-        self, batches: Iterable[tuple], metric_fn: MetricFn, ema: bool = False
-    ) -> dict[str, float]:
-        return self.evaluation.sums(batches, metric_fn, ema)
-
-    def forward(self, inputs: tuple) -> Any:
-        return self.evaluation.forward(inputs)
-
-    # --- state: by the torch model's parameter names, as the torch backends keep it --------
-    def checkpoint_state(self) -> dict[str, Any]:
-        return self.state.checkpoint_state()
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.state.load_checkpoint_state(state)
-
-    def live_state(self) -> dict[str, Any]:
-        return self.state.live_state()
-
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        return self.state.rng_state()
-
-    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.state.load_rng_state(state)
-
     # --- processes, devices, compiles ---------------------------------------------------------
-    def any_rank(self, flag: bool) -> bool:
-        return self.runtime.any_rank(flag)
-
     def synchronize(self) -> None:
         jax.block_until_ready(self.state.params)
-
-    def step_compiles(self) -> int:
-        return self.step.compiled()
 
     def stats(self) -> BackendStats:
         events = self.monitor.snapshot()

@@ -13,9 +13,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from accel.amp import amp_policy
 from accel.backends.as_eager import modes_kept
 from accel.backends.base import (
+    BackendBase,
     BackendStats,
     BackendUnavailable,
     Batch,
@@ -29,6 +29,7 @@ from accel.backends.base import (
 from accel.backends.torch_family.core import TorchCore, fused_guard, live_tensors, metric_sums
 from accel.backends.torch_family.layout import Layout
 from accel.backends.torch_family.split import SplitLayout
+from accel.backends.torch_family.step_random import StepRandom
 from accel.backends.torch_family.whole import WholeLayout
 from accel.config import SHARD_MODES, BackendConfig
 from accel.distributed import DistContext, env_context
@@ -129,7 +130,10 @@ def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Ba
         yield ready
 
 
-class EagerBackend:
+class EagerBackend(BackendBase):
+    """torch's own ops on this process's device, run as they come (eager) or through a
+    `compiler` (compile: torch.compile), the model whole or split over the mesh (layout)."""
+
     local_replicas = 1  # data replicas this process feeds
     step_devices = 1  # devices this process's step runs on
     trains_in_place = True
@@ -137,10 +141,10 @@ class EagerBackend:
     explain_compiles = "TORCH_LOGS=recompiles prints the cause of each compile"
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext, compiler: Compiler | None = None):
-        self.cfg, self.ctx, self.compiler = cfg, ctx, compiler
+        super().__init__(cfg, ctx)
+        self.compiler = compiler
         self.name = "compile" if compiler else "eager"
         self.compiles_per_shape = compiler is not None  # dynamo guards on the input shapes
-        self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.device = torch_device(ctx)
         dims = ParallelDims.of(cfg.mesh, ctx.world_size)
         self.shard = dims.shard
@@ -150,6 +154,7 @@ class EagerBackend:
         self.sharded_checkpoint = self.layout.sharded_checkpoint
         masters = self.amp.master_weights and self.layout.masters_separate
         self.core = TorchCore(self.amp, self.device, masters, fused_guard)
+        self.random = StepRandom(self.device, cfg.step.seed, replica=self.data_parallel[0])
 
     @property
     def pin_memory(self) -> bool:
@@ -191,7 +196,8 @@ class EagerBackend:
         self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
     ) -> torch.Tensor:
         """Returns [mean loss over ranks, 1.0 if the update was applied else 0.0, *extras]."""
-        means = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
+        with self.random.drawing():
+            means = self.layout.forward_backward(micro_batches, self.forward_loss, self.core)
         means = self.layout.mean_loss(means)  # [loss, *extras], averaged over the replicas
         clip = self.cfg.step.clip_grad
         applied = self.core.update(lr, means[0], clip, self.layout.grad_norm, ema_decay)
@@ -231,11 +237,13 @@ class EagerBackend:
         return live_tensors(self.core, self.checkpoint_state())  # DTensors where split
 
     def rng_state(self) -> dict[str, torch.Tensor]:
+        """The step's stream, and the device's global generator (the user's own draws)."""
         if self.device.type != "cuda":
-            return {}
-        return {"cuda": torch.cuda.get_rng_state(self.device)}
+            return self.random.state_dict()
+        return {**self.random.state_dict(), "cuda": torch.cuda.get_rng_state(self.device)}
 
     def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.random.load_state_dict(state)
         if "cuda" in state and self.device.type == "cuda":
             torch.cuda.set_rng_state(state["cuda"], self.device)
 

@@ -4,22 +4,19 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from accel.amp import amp_policy
 from accel.backends.base import (
+    BackendBase,
     BackendStats,
     BackendUnavailable,
-    Batch,
+    Forwarded,
     LossFn,
-    MetricFn,
     ModelInit,
-    StepResult,
     classifier_parameters,
 )
 from accel.backends.torch_family.core import TorchCore, live_tensors
@@ -35,7 +32,7 @@ from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
 
 
-class XlaBackend:
+class XlaBackend(BackendBase):
     """torch_xla's backend: the torch model traced into lazy tensors and compiled by XLA."""
 
     name = "xla"
@@ -47,9 +44,8 @@ class XlaBackend:
     sharded_checkpoint = False  # one process holds every array: one file
 
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
-        self.cfg, self.ctx = cfg, ctx
+        super().__init__(cfg, ctx)
         self.compiles = XlaCompiles(Path(cfg.compiler.cache_dir), not ctx.is_main)
-        self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
         self.devices = XlaDevices(cfg, ctx)
         self.device = self.devices.device
         self.data_parallel = (ctx.rank, ctx.world_size)
@@ -87,60 +83,27 @@ class XlaBackend:
         self.layout.place_state()
         self.step.adopt(loss_fn)
 
-    # --- batches and the step -------------------------------------------------------------------
-    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:
-        return self.batches.device_batches(batches)
-
-    def autocast(self) -> Any:
-        return self.step.autocast()
-
-    def split(self, batch: tuple, parts: int) -> list[tuple]:
-        return self.step.split(batch, parts)
+    # --- what its parts do -----------------------------------------------------------------------
+    device_batches = Forwarded("batches")
+    autocast = Forwarded("step")
+    split = Forwarded("step")
+    train_step = Forwarded("step")
+    fetch_results = Forwarded("step")
+    evaluate_sums = Forwarded("step")
+    forward = Forwarded("step")
+    checkpoint_state = Forwarded("layout")
+    load_checkpoint_state = Forwarded("layout")
+    rng_state = Forwarded("devices")
+    load_rng_state = Forwarded("devices")
+    any_rank = Forwarded("devices")
+    synchronize = Forwarded("devices")
+    step_compiles = Forwarded("compiles")
 
     def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
         raise BackendUnavailable("the xla backend traces its step lazily: no program to lower")
 
-    def train_step(
-        self, micro_batches: list[Batch], lr: float | list[float], ema_decay: float = 0.0
-    ) -> torch.Tensor:
-        return self.step.train_step(micro_batches, lr, ema_decay)
-
-    def fetch_results(self, handles: list[torch.Tensor]) -> list[StepResult]:
-        return self.step.fetch_results(handles)
-
-    def evaluate_sums(
-        self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False
-    ) -> dict[str, float]:
-        return self.step.evaluate_sums(batches, metric_fn, ema)
-
-    def forward(self, inputs: tuple) -> Any:
-        return self.step.forward(inputs)
-
-    # --- state ----------------------------------------------------------------------------------
-    def checkpoint_state(self) -> dict[str, Any]:
-        return self.layout.checkpoint_state()
-
-    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.layout.load_checkpoint_state(state)
-
     def live_state(self) -> dict[str, Any]:
         return live_tensors(self.core, self.layout.checkpoint_state())  # sharded as trained
-
-    def rng_state(self) -> dict[str, torch.Tensor]:
-        return self.devices.rng_state()
-
-    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
-        self.devices.load_rng_state(state)
-
-    def any_rank(self, flag: bool) -> bool:
-        return self.devices.any_rank(flag)
-
-    def synchronize(self) -> None:
-        self.devices.synchronize()
-
-    # --- compile accounting ---------------------------------------------------------------------
-    def step_compiles(self) -> int:
-        return self.compiles.step_compiles()
 
     def stats(self) -> BackendStats:
         return BackendStats(

@@ -6,16 +6,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import cast
 
 import numpy as np
 import torch
 
 from accel.amp import AmpPolicy
+from accel.backends.base import replica_seed
 from accel.backends.xla.runtime import check_autograd, torch_xla, xm, xr, xs
 from accel.config import BackendConfig
 from accel.distributed import DistContext
-from accel.parallel import effective_shard
 from accel.parallel.mesh import Axis, ParallelDims
 
 
@@ -40,21 +41,17 @@ class XlaDevices:
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed
         self.count = cfg.mesh.devices if self.spmd else 1
-        # Devices the global batch is split over: the mesh's `dp` axis.
-        self.replicas = self.count
-        self.shard = effective_shard(cfg.mesh.shard, self.replicas)
-        # Plain strings: torch_xla's mesh takes an axis name only of type str.
-        self.axis = str(Axis.DATA_SHARD if self.shard == "full" else Axis.DATA)
-        self.tensor_axis = str(Axis.TENSOR)
+        # One layout decision for every backend (ParallelDims.of: the effective shard mode
+        # among it): the global batch splits over the mesh's data axis, `dp` devices.
         self.tp = cfg.mesh.tp if self.spmd else 1
+        dims = ParallelDims.of(replace(cfg.mesh, tp=self.tp), self.count)
+        self.replicas, self.shard = dims.dp, dims.shard
+        # Plain strings: torch_xla's mesh takes an axis name only of type str.
+        self.axis, self.tensor_axis = str(dims.data_axis), str(Axis.TENSOR)
         if self.spmd:
-            n = self.count
-            if self.tp > 1:
-                dims = ParallelDims.of(cfg.mesh, n)
-                self.replicas = dims.dp
-                self.mesh = xs.Mesh(np.arange(n), (dims.dp, dims.tp), (self.axis, self.tensor_axis))
-            else:
-                self.mesh = xs.Mesh(np.arange(n), (n,), (self.axis,))
+            axes = [(self.axis, dims.dp)] + [(self.tensor_axis, dims.tp)] * (dims.tp > 1)
+            names, shape = zip(*axes, strict=True)
+            self.mesh = xs.Mesh(np.arange(self.count), shape, names)
 
     def split_first(self, tensor: torch.Tensor) -> tuple[str | None, ...]:
         """A tensor's partition spec: its first axis over the mesh's data axis."""
@@ -99,8 +96,9 @@ class XlaDevices:
 
     # --- the random generator -------------------------------------------------------------------
     def seed(self, seed: int) -> None:
-        """Device random draws (dropout, stochastic depth) differ between replicas."""
-        xm.set_rng_state(seed + self.ctx.rank, str(self.device))
+        """The step's draws (dropout, stochastic depth): XLA's generator, seeded as every
+        backend seeds the stream of a data replica (each process here is one)."""
+        xm.set_rng_state(replica_seed(seed, self.ctx.rank), str(self.device))
 
     def rng_state(self) -> dict[str, torch.Tensor]:
         seed = xm.get_rng_state(str(self.device))  # an unsigned 64-bit seed: kept as two halves
