@@ -188,6 +188,26 @@ class BackendBase:
         self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
 
 
+class SinceStart:
+    """Process-wide counters read as what happened since the backend started: dynamo's frames,
+    torch_xla's metrics and JAX's compile events are kept per process, and a second Engine in
+    the process (a notebook's, a sweep's) counts its own.
+
+    >>> counts = {"compiles": 3}
+    >>> since = SinceStart(lambda: dict(counts))
+    >>> counts["compiles"] = 5
+    >>> since()["compiles"]
+    2
+    """
+
+    def __init__(self, read: Callable[[], dict[str, float]]):
+        self.read, self.start = read, read()
+
+    def __call__(self) -> dict[str, float]:
+        now = self.read()
+        return {name: value - self.start.get(name, 0) for name, value in now.items()}
+
+
 class Forwarded:
     """A Backend method that one part of a backend does, named once in the class body:
     `train_step = Forwarded("step")` is `self.step.train_step`, and `Forwarded("step",

@@ -335,6 +335,22 @@ def test_the_recompile_limit_stops_every_compiling_backend_alike_in_one_line(bac
     assert "compiled again" not in capsys.readouterr().err  # the error, not a notice
 
 
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("compile", "xla", "jax")])
+def test_a_second_engine_in_the_process_counts_its_own_compiles(backend):
+    """The compilers count per process; an Engine's stats count what compiled since it
+    started, so the second of two runs in one process (a notebook's) is not charged the
+    first's graphs."""
+    counts = []
+    for _ in range(2):
+        torch.compiler.reset()  # dynamo's code cache is the process's: each run compiles
+        torch.manual_seed(0)
+        model = Net()
+        engine = accel.prepare(model, grouped(model, "sgd"), loss_fn, backend=backend, quiet=True)
+        engine.fetch([engine.step(*b) for b in batches(2, size=8)])
+        counts.append(engine.stats().graphs_compiled)
+    assert counts[1] <= counts[0]  # its own graphs, not the first's added to them
+
+
 # --- a batch is any tuple of tensors, of any rank, on every backend -----------------------------
 FOUR_TENSORS = [
     [([8, 3, 8, 8], "torch.float32"), ([8, 5], "torch.float32"), ([8], "torch.float32"),

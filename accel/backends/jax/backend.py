@@ -17,6 +17,7 @@ from accel.backends.base import (
     Forwarded,
     LossFn,
     ModelInit,
+    SinceStart,
     split_batch,
 )
 from accel.backends.jax.attention import AttentionKernels
@@ -56,8 +57,7 @@ class JaxBackend(BackendBase):
         # evaluation's sums), seconds before its first step.
         jax.config.update("jax_compilation_cache_dir", cfg.compiler.cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-        self.monitor = CompileMonitor.get()
-        self.compile_events_at_start = self.monitor.snapshot()
+        self.compile_events = SinceStart(CompileMonitor.get().snapshot)
         self.runtime = Runtime(cfg, ctx)
         self.data_parallel = self.runtime.data_parallel
         self.local_replicas = self.runtime.local_replicas
@@ -133,8 +133,7 @@ class JaxBackend(BackendBase):
         jax.block_until_ready(self.state.params)
 
     def stats(self) -> BackendStats:
-        events = self.monitor.snapshot()
-        spent = {k: events[k] - self.compile_events_at_start[k] for k in events}
+        spent = self.compile_events()
         hits = int(spent.pop("cache_hits"))
         return BackendStats(
             graphs_compiled=self.step.compiled(),

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from accel.backends.base import Supports
+from accel.backends.base import SinceStart, Supports
 from accel.backends.torch_family import eager
 from accel.backends.torch_family.eager import EagerBackend
 from accel.config import BackendConfig
@@ -40,23 +40,24 @@ def build(cfg: BackendConfig, ctx: DistContext) -> EagerBackend:
     return EagerBackend(cfg, ctx, compiler=Inductor(cfg.step.kernel_opt))
 
 
-def frames_compiled() -> int:
+def frames_compiled() -> dict[str, float]:
     from torch._dynamo.utils import counters
 
-    return int(counters["frames"]["ok"])
+    return {"frames": int(counters["frames"]["ok"])}
 
 
 class Inductor:
-    """Compiles the step's forward and loss; counts the frames dynamo compiles."""
+    """Compiles the step's forward and loss; counts the frames dynamo compiles from here on."""
 
     def __init__(self, kernel_opt: bool):
         self.mode = "max-autotune-no-cudagraphs" if kernel_opt else None
+        self.frames = SinceStart(frames_compiled)  # dynamo counts per process
 
     def __call__(self, fn: Callable) -> Callable:
         return torch.compile(fn, mode=self.mode)
 
     def step_compiles(self) -> int:
-        return frames_compiled()  # dynamo's count is per process: the Engine takes differences
+        return int(self.frames()["frames"])
 
     def stats(self) -> dict[str, Any]:
-        return {"graphs_compiled": frames_compiled()}
+        return {"graphs_compiled": self.step_compiles()}

@@ -9,11 +9,22 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from accel.backends.base import SinceStart
 from accel.backends.xla.runtime import init_compile_cache, met
 
 
 def compile_count() -> int:
     return met.counter_value("UncachedCompile") or 0
+
+
+def counters() -> dict[str, float]:
+    """The process's compile counters that BackendStats reports."""
+    compile_time = met.metric_data("CompileTime")
+    return {
+        "compiles": compile_count(),
+        "compile_time_s": compile_time[1] / 1e9 if compile_time else 0.0,
+        "cache_hits": met.counter_value("PersistentCacheHit") or 0,
+    }
 
 
 def fallback_ops() -> dict[str, int]:
@@ -27,11 +38,11 @@ class XlaCompiles:
     def __init__(self, cache_dir: Path, readonly: bool):
         # The persistent cache is set before the first computation.
         self.persistent_cache = init_compile_cache(cache_dir, readonly)
-        self.at_start = compile_count()  # the counters are per process, not per run
+        self.since_start = SinceStart(counters)  # the counters are per process, not per run
         self.evaluation = 0  # graphs compiled by evaluation
 
     def step_compiles(self) -> int:
-        return compile_count() - self.at_start - self.evaluation
+        return int(self.since_start()["compiles"]) - self.evaluation
 
     @contextlib.contextmanager
     def not_counted(self) -> Iterator[None]:
@@ -44,11 +55,11 @@ class XlaCompiles:
 
     def stats(self) -> dict[str, Any]:
         """BackendStats' compile fields."""
-        compile_time = met.metric_data("CompileTime")
+        spent = self.since_start()
         return {
-            "graphs_compiled": compile_count() - self.at_start,
-            "compile_time_s": compile_time[1] / 1e9 if compile_time else 0.0,
+            "graphs_compiled": int(spent["compiles"]),
+            "compile_time_s": spent["compile_time_s"],
             "persistent_cache": self.persistent_cache,
-            "persistent_cache_hits": met.counter_value("PersistentCacheHit") or 0,
+            "persistent_cache_hits": int(spent["cache_hits"]),
             "fallback_ops": fallback_ops(),
         }
