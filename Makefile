@@ -10,6 +10,11 @@ LATEST := .venv-latest
 # Python 3.12 for test-latest: on PATH, or pyenv's where its shim does not select it.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 
+# Two pytest-xdist workers: about a third of the suite's time is a process waiting (rendezvous,
+# imports, a compiler's single thread), which the second worker fills. loadgroup keeps a file's
+# tests on one worker (tests/conftest.py: worker_groups).
+WORKERS := -n 2 --dist loadgroup
+
 .PHONY: setup demo test test-fast test-latest lint bench plot notebooks convergence gpu-check clean
 
 $(STAMP): pyproject.toml
@@ -27,12 +32,12 @@ demo: setup
 		--workers 2 --output $(DEMO)/runs
 
 test: setup
-	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q --durations=25 tests
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q $(WORKERS) --durations=25 tests
 
 # Every edit: the unit tests and in-process runs of each backend; no test that starts a process
 # (tests/conftest.py marks those slow). Under 3 minutes on a 2-core machine.
 test-fast: setup
-	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q --durations=10 \
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q $(WORKERS) --durations=10 \
 		-m "not slow and not gpu" tests
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last
@@ -48,7 +53,7 @@ $(LATEST)/.installed: pyproject.toml
 test-latest: $(LATEST)/.installed
 	$(LATEST)/bin/python -c "import torch, torchvision, jax; print('torch', torch.__version__, \
 		'torchvision', torchvision.__version__, 'jax', jax.__version__)"
-	JAX_PLATFORMS=cpu ACCEL_REQUIRE_JAX=1 $(LATEST)/bin/pytest -q --durations=25 tests
+	JAX_PLATFORMS=cpu ACCEL_REQUIRE_JAX=1 $(LATEST)/bin/pytest -q $(WORKERS) --durations=25 tests
 
 lint: setup
 	$(BIN)/ruff check .

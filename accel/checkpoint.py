@@ -423,10 +423,11 @@ def saved_rng(path: Path, meta: dict, rank: int, current: Stateful) -> dict | No
         states = meta["rng"]
         return states[min(rank, len(states) - 1)] if states else None
     key = f"rng.rank{rank}."
-    names = {k[len(key) :] for k in sharded_keys(path) if k.startswith(key)}
+    mine = current.state_dict()
+    # The states this run keeps too (another backend's saved streams are not its own).
+    names = {k[len(key) :] for k in sharded_keys(path) if k.startswith(key)} & set(mine)
     if not names:
         return None
-    mine = current.state_dict()
     template = {"rng": {f"rank{rank}": {n: torch.empty_like(mine[n]) for n in names}}}
     load_sharded(path, template)
     return template["rng"][f"rank{rank}"]

@@ -268,6 +268,23 @@ def pytest_collection_modifyitems(config, items):
         elif "gpu" in item.keywords and jax_on_cpu and _needs_jax(item):
             item.add_marker(pytest.mark.skip(reason=NO_JAX_GPU))
     items.sort(key=gpu_jax_last)
+    worker_groups(items)
+
+
+# The runs of tests/shared_runs.py, made once for the whole run: the files that read them run
+# on one pytest-xdist worker, or each worker would make them again.
+SHARED_RUNS = ("eager_runs", "tp_runs")
+
+
+def worker_groups(items) -> None:
+    """`make test` runs the suite on pytest-xdist's workers (`-n 2 --dist loadgroup`), which
+    keep the tests of one xdist_group on one worker: a file's tests share its module's
+    fixtures, so each file is a group, and the files that read the session's shared runs are
+    one group."""
+    sharing = {item.path for item in items if set(item.fixturenames) & set(SHARED_RUNS)}
+    for item in items:
+        group = "shared_runs" if item.path in sharing else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def gpu_jax_last(item) -> bool:

@@ -108,12 +108,21 @@ def test_minimal_gives_the_same_losses_on_every_backend(tmp_path):
         assert r["losses"] == pytest.approx(first[: len(r["losses"])], rel=1e-4, abs=1e-5), r
 
 
+@pytest.fixture(scope="module")
+def classic(tmp_path_factory) -> tuple[dict, dict]:
+    """The plain script's run, as the README shows it (once: every backend compares with it):
+    its losses and its checkpoint."""
+    folder = tmp_path_factory.mktemp("classic")
+    losses = run("python examples/classic_loop.py --steps 8 --out runs/classic", folder)
+    return losses, torch.load(folder / "runs" / "classic" / "checkpoint.pt", weights_only=True)
+
+
 @pytest.mark.parametrize("backend", ["eager", "compile", "xla", "jax"] if HAS_XLA else
                          ["eager", "compile", "jax"])  # fmt: skip
-def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path, backend):
+def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path, backend, classic):
     """Its own validation loop and training accuracy, its DataLoader workers (started without
     a fork in a threaded process on jax), and the plain script's losses."""
-    before = run("python examples/classic_loop.py --steps 8 --out runs/classic", tmp_path)
+    before, plain = classic
     stderr: list[str] = []
     after = run(
         f"ACCEL_BACKEND={backend} python examples/classic_loop_accel.py --steps 8 "
@@ -125,7 +134,6 @@ def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path, backend):
     assert after["losses"] == pytest.approx(before["losses"], rel=1e-4, abs=1e-5)
     assert "fork()" not in stderr[0], stderr[0][-2000:]
     saved = torch.load(tmp_path / "runs" / backend / "checkpoint.pt", weights_only=True)
-    plain = torch.load(tmp_path / "runs" / "classic" / "checkpoint.pt", weights_only=True)
     assert set(saved) == set(plain)
     for name, value in saved.items():
         assert value.device.type == "cpu"
