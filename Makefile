@@ -10,9 +10,10 @@ LATEST := .venv-latest
 # Python 3.12 for test-latest: on PATH, or pyenv's where its shim does not select it.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 
-# Two pytest-xdist workers: about a third of the suite's time is a process waiting (rendezvous,
-# imports, a compiler's single thread), which the second worker fills. loadgroup keeps a file's
-# tests on one worker (tests/conftest.py: worker_groups).
+# The whole suite on two pytest-xdist workers: run one at a time, its tests that start processes
+# keep 1.1 of 2 cores busy (rendezvous, imports, a compiler's single thread). loadgroup keeps
+# the tests that start no process on one worker, sharing the compilers' in-memory caches
+# (tests/conftest.py: worker_groups). The fast tier runs one at a time: it is those tests alone.
 WORKERS := -n 2 --dist loadgroup
 
 .PHONY: setup demo test test-fast test-latest lint bench plot notebooks convergence gpu-check clean
@@ -37,7 +38,7 @@ test: setup
 # Every edit: the unit tests and in-process runs of each backend; no test that starts a process
 # (tests/conftest.py marks those slow). Under 3 minutes on a 2-core machine.
 test-fast: setup
-	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q $(WORKERS) --durations=10 \
+	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q --durations=10 \
 		-m "not slow and not gpu" tests
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last

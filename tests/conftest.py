@@ -277,13 +277,22 @@ SHARED_RUNS = ("eager_runs", "tp_runs")
 
 
 def worker_groups(items) -> None:
-    """`make test` runs the suite on pytest-xdist's workers (`-n 2 --dist loadgroup`), which
-    keep the tests of one xdist_group on one worker: a file's tests share its module's
-    fixtures, so each file is a group, and the files that read the session's shared runs are
-    one group."""
+    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`), which
+    keep the tests of one xdist_group on one worker. The files of the fast tier alone (no slow
+    test) are one group, `in_process`: they compile in one process, and the compilers' in-memory
+    caches (dynamo's, XLA's, JAX's) serve the next test's graphs, which a second worker would
+    compile again. A file with slow tests (they start processes, or compile much) is a group of
+    its own (its module fixtures made once), and the files that read the session's shared runs
+    are one group."""
     sharing = {item.path for item in items if set(item.fixturenames) & set(SHARED_RUNS)}
+    slow = {item.path for item in items if item.get_closest_marker("slow")}
     for item in items:
-        group = "shared_runs" if item.path in sharing else item.nodeid.split("::")[0]
+        if item.path in sharing:
+            group = "shared_runs"
+        elif item.path in slow:
+            group = item.nodeid.split("::")[0]
+        else:
+            group = "in_process"
         item.add_marker(pytest.mark.xdist_group(group))
 
 
