@@ -10,11 +10,11 @@ LATEST := .venv-latest
 # Python 3.12 for test-latest: on PATH, or pyenv's where its shim does not select it.
 PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12) python3.12)
 
-# The whole suite on two pytest-xdist workers: run one at a time, its tests that start processes
-# keep 1.1 of 2 cores busy (rendezvous, imports, a compiler's single thread). loadgroup keeps
-# the tests that start no process on one worker, sharing the compilers' in-memory caches
-# (tests/conftest.py: worker_groups). The fast tier runs one at a time: it is those tests alone.
-WORKERS := -n 2 --dist loadgroup
+# The whole suite on two pytest-xdist workers: one at a time, its tests keep 1.1 of 2 cores busy
+# (processes waiting on a rendezvous, on imports, on a compiler's single thread). Each worker
+# takes whole groups (tests/conftest.py: worker_group). The fast tier runs one at a time: its
+# in-process compiles share the compilers' in-memory caches, which a second worker would not.
+WORKERS := -n 2
 
 .PHONY: setup demo test test-fast test-latest lint bench plot notebooks convergence gpu-check clean
 

@@ -1,6 +1,8 @@
+import functools
 import gc
 import inspect
 import os
+import re
 import sys
 import types
 from pathlib import Path
@@ -268,32 +270,44 @@ def pytest_collection_modifyitems(config, items):
         elif "gpu" in item.keywords and jax_on_cpu and _needs_jax(item):
             item.add_marker(pytest.mark.skip(reason=NO_JAX_GPU))
     items.sort(key=gpu_jax_last)
-    worker_groups(items)
 
 
-# The runs of tests/shared_runs.py, made once for the whole run: the files that read them run
-# on one pytest-xdist worker, or each worker would make them again.
+# --- two workers: `make test` runs the suite on pytest-xdist's `-n 2` ----------------------------
+# The fixtures of tests/shared_runs.py: runs made once for the whole run, by the worker that
+# runs the files reading them.
 SHARED_RUNS = ("eager_runs", "tp_runs")
 
 
-def worker_groups(items) -> None:
-    """`make test` runs the suite on two pytest-xdist workers (`-n 2 --dist loadgroup`), which
-    keep the tests of one xdist_group on one worker. The files of the fast tier alone (no slow
-    test) are one group, `in_process`: they compile in one process, and the compilers' in-memory
-    caches (dynamo's, XLA's, JAX's) serve the next test's graphs, which a second worker would
-    compile again. A file with slow tests (they start processes, or compile much) is a group of
-    its own (its module fixtures made once), and the files that read the session's shared runs
-    are one group."""
-    sharing = {item.path for item in items if set(item.fixturenames) & set(SHARED_RUNS)}
-    slow = {item.path for item in items if item.get_closest_marker("slow")}
-    for item in items:
-        if item.path in sharing:
-            group = "shared_runs"
-        elif item.path in slow:
-            group = item.nodeid.split("::")[0]
-        else:
-            group = "in_process"
-        item.add_marker(pytest.mark.xdist_group(group))
+@functools.cache
+def reads_shared_runs(path: Path) -> bool:
+    """Whether the test file at `path` names one of the shared runs' fixtures."""
+    return re.search(rf"\b({'|'.join(SHARED_RUNS)})\b", path.read_text()) is not None
+
+
+def worker_group(nodeid: str) -> str:
+    """The tests one worker runs together, by the test's id: a file's tests (its module
+    fixtures are made once), the files that read the shared runs (made once), and the unit
+    tests (small, in one process whose compilers' in-memory caches serve them all)."""
+    path = nodeid.split("::")[0]
+    if path.startswith("tests/unit/"):
+        return "tests/unit"
+    return "shared_runs" if reads_shared_runs(ROOT / path) else path
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook: unknown where xdist is not installed
+def pytest_xdist_make_scheduler(config, log):
+    """xdist's scheduler by scope (LoadScopeScheduling), with the scope of a test its
+    worker_group. xdist's own groups (`--dist loadgroup`, the xdist_group mark) do not reach
+    its scheduler under pytest 9, which no longer reads the test id xdist rewrites; `_split_scope`
+    is the method xdist's own schedulers (loadfile, loadgroup) override to group tests, the one
+    way it offers."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ByWorkerGroup(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid)
+
+    return ByWorkerGroup(config, log)
 
 
 def gpu_jax_last(item) -> bool:

@@ -137,7 +137,9 @@ class RunConfig:
         None, f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)", min=1, group=RUN
     )
     epochs: int | None = option(None, "epochs (instead of --steps)", min=1, group=RUN)
-    seed: int = option(0, "seed of weights, data order and augmentation", group=RUN, resume="same")
+    seed: int = option(
+        0, "seed of weights, data order, augmentation and dropout", group=RUN, resume="same"
+    )
     nan_policy: str = option(
         "stop",
         "a step with a non-finite loss or gradient never updates the weights; then skip it and "

@@ -25,6 +25,7 @@ from tests.helpers import (
     Net,
     four_tensor_run,
     grouped,
+    job_backend,
     micro_config,
     run_python,
     steps_reading_nothing,
@@ -333,6 +334,23 @@ def test_the_recompile_limit_stops_every_compiling_backend_alike_in_one_line(bac
         return
     assert str(err.value) == RECOMPILE_LINE
     assert "compiled again" not in capsys.readouterr().err  # the error, not a notice
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_backend_method_takes_the_contracts_parameters_and_defaults(backend, tmp_path):
+    """A Backend method that one of the backend's parts does (base.Forwarded) is the part's own
+    method: it takes what the contract (base.Backend) promises, defaults included."""
+    import inspect
+
+    from accel.backends.base import Backend
+
+    built = job_backend(micro_config(tmp_path, backend=backend))
+    for name, contract in vars(Backend).items():
+        if name.startswith("_") or not inspect.isfunction(contract):
+            continue
+        promised = list(inspect.signature(contract).parameters.values())[1:]  # after self
+        given = list(inspect.signature(getattr(built, name)).parameters.values())
+        assert [p.default for p in given] == [p.default for p in promised], name
 
 
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("compile", "xla", "jax")])

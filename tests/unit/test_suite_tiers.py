@@ -205,34 +205,23 @@ def test_the_gpu_tiers_jax_tests_come_last():
     assert names == ["test_eager_on_gpu", "test_jax", "test_jax_on_gpu"]
 
 
-def test_the_in_process_tests_share_a_worker_and_a_files_processes_another():
-    """pytest-xdist's loadgroup keeps an xdist_group on one worker: the files whose tests start
-    no process are one group (the compilers' in-memory caches serve them all), a file that
-    starts processes is a group (its module fixtures are made once), and every file that reads
-    tests/shared_runs.py's runs is in one group (the runs are made once)."""
-
-    class Item:
-        def __init__(self, nodeid: str, *fixtures: str, slow: bool = False):
-            self.nodeid, self.fixturenames, self.marks = nodeid, list(fixtures), []
-            self.path = ROOT / nodeid.split("::")[0]
-            self.slow = slow
-
-        def get_closest_marker(self, name):
-            return pytest.mark.slow if name == "slow" and self.slow else None
-
-        def add_marker(self, mark):
-            self.marks.append(mark)
-
-    items = [
-        Item("tests/integration/test_a.py::test_one", "tmp_path"),
-        Item("tests/integration/test_a.py::test_two", "tp_runs", slow=True),
-        Item("tests/integration/test_b.py::test_one", "eager_runs", "tmp_path", slow=True),
-        Item("tests/integration/test_c.py::test_one", slow=True),
-        Item("tests/integration/test_c.py::test_two", "tmp_path"),
-        Item("tests/unit/test_d.py::test_one"),
-        Item("tests/unit/test_e.py::test_one", "tmp_path"),
-    ]
-    conftest.worker_groups(items)
-    groups = [item.marks[0].args[0] for item in items if item.marks[0].name == "xdist_group"]
-    shared, c = "shared_runs", "tests/integration/test_c.py"
-    assert groups == [shared, shared, shared, c, c, "in_process", "in_process"]
+def test_a_worker_runs_a_files_tests_the_shared_runs_readers_and_the_unit_tests_together():
+    """make test's two xdist workers each take whole groups (conftest.worker_group): a file's
+    tests (its module fixtures made once), every file that reads tests/shared_runs.py's runs
+    (made once), and the unit tests."""
+    readers = {
+        path.relative_to(ROOT).as_posix()
+        for path in (ROOT / "tests" / "integration").glob("test_*.py")
+        if any(name in path.read_text() for name in conftest.SHARED_RUNS)
+    }
+    assert {
+        "tests/integration/test_sharded.py",
+        "tests/integration/test_multi_device.py",
+    } <= readers
+    for path in readers:
+        assert conftest.worker_group(f"{path}::test_x[a-b]") == "shared_runs"
+    hybrid = "tests/integration/test_hybrid_parallel.py"
+    assert conftest.worker_group(f"{hybrid}::test_each[tp2xdp2]") == hybrid
+    assert conftest.worker_group(f"{hybrid}::test_each[fsdp2xtp2]") == hybrid
+    assert conftest.worker_group("tests/unit/test_data.py::test_x") == "tests/unit"
+    assert conftest.worker_group("tests/unit/test_amp.py::test_y[O1]") == "tests/unit"

@@ -146,7 +146,9 @@ class Evaluation:
         self.runtime, self.state, self.tracer = runtime, state, tracer
         self.programs: dict[Any, Callable] = {}  # by metric function, or 'forward'
 
-    def sums(self, batches: Iterable[tuple], metric_fn: MetricFn, ema: bool) -> dict[str, float]:
+    def sums(
+        self, batches: Iterable[tuple], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
         params = self.state.eval_params(ema)
         fn = self.programs.get(metric_fn)
         if fn is None:

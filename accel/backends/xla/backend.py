@@ -46,7 +46,7 @@ class XlaBackend(BackendBase):
     def __init__(self, cfg: BackendConfig, ctx: DistContext):
         super().__init__(cfg, ctx)
         self.compiles = XlaCompiles(Path(cfg.compiler.cache_dir), not ctx.is_main)
-        self.devices = XlaDevices(cfg, ctx)
+        self.devices = XlaDevices(cfg.mesh, ctx)
         self.device = self.devices.device
         self.data_parallel = (ctx.rank, ctx.world_size)
         self.local_replicas = self.devices.replicas  # the devices the global batch splits over
@@ -54,8 +54,8 @@ class XlaBackend(BackendBase):
         self.optim = XlaOptimizer(cfg.step.kernel_opt, self.amp)
         guard, extra = self.optim.guard, self.optim.extra_state
         self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
-        self.layout = XlaLayout(cfg, self.devices, self.core)
-        self.batches = XlaBatches(cfg, self.devices)
+        self.layout = XlaLayout(cfg.mesh, self.devices, self.core)
+        self.batches = XlaBatches(cfg.compiler, cfg.step.accum, self.devices)
         parts = (self.devices, self.layout, self.batches, self.compiles)
         self.step = XlaStep(cfg, self.amp, parts, self.core)
 

@@ -13,7 +13,7 @@ import torch
 from accel.backends.base import Batch
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import pl, xm, xs
-from accel.config import BackendConfig
+from accel.config import CompilerConfig
 
 
 def keyed_batches(batches: Iterable[Batch], shapes: set) -> Iterator[dict[str, torch.Tensor]]:
@@ -31,8 +31,8 @@ def unkeyed(batch: dict[str, torch.Tensor]) -> Batch:
 class XlaBatches:
     """Batches onto the device, split over the mesh where there is one."""
 
-    def __init__(self, cfg: BackendConfig, devices: XlaDevices):
-        self.compiler, self.accum, self.devices = cfg.compiler, cfg.step.accum, devices
+    def __init__(self, compiler: CompilerConfig, accum: int, devices: XlaDevices):
+        self.compiler, self.accum, self.devices = compiler, accum, devices
         self.input_shapes: set = set()  # the shapes of the host batches handed over
 
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Batch]:

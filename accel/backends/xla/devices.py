@@ -15,7 +15,7 @@ import torch
 from accel.amp import AmpPolicy
 from accel.backends.base import replica_seed
 from accel.backends.xla.runtime import check_autograd, torch_xla, xm, xr, xs
-from accel.config import BackendConfig
+from accel.config import MeshConfig
 from accel.distributed import DistContext
 from accel.parallel.mesh import Axis, ParallelDims
 
@@ -34,17 +34,17 @@ class XlaDevices:
     devices. Processes started by torchrun (TPU hosts) each drive one device, and reduce across
     each other with explicit collectives."""
 
-    def __init__(self, cfg: BackendConfig, ctx: DistContext):
+    def __init__(self, mesh: MeshConfig, ctx: DistContext):
         self.ctx = ctx
         self.device = torch_xla.device()
         check_autograd(self.device)
         # A device mesh driven by this process: one host batch a step, split along its axis.
         self.spmd = xr.is_spmd() and not ctx.distributed
-        self.count = cfg.mesh.devices if self.spmd else 1
+        self.count = mesh.devices if self.spmd else 1
         # One layout decision for every backend (ParallelDims.of: the effective shard mode
         # among it): the global batch splits over the mesh's data axis, `dp` devices.
-        self.tp = cfg.mesh.tp if self.spmd else 1
-        dims = ParallelDims.of(replace(cfg.mesh, tp=self.tp), self.count)
+        self.tp = mesh.tp if self.spmd else 1
+        dims = ParallelDims.of(replace(mesh, tp=self.tp), self.count)
         self.replicas, self.shard = dims.dp, dims.shard
         # Plain strings: torch_xla's mesh takes an axis name only of type str.
         self.axis, self.tensor_axis = str(dims.data_axis), str(Axis.TENSOR)

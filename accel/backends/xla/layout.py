@@ -15,7 +15,7 @@ from torch import nn
 from accel.backends.torch_family.core import TorchCore, init_optimizer_state
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import xm, xs
-from accel.config import BackendConfig
+from accel.config import MeshConfig
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.ties import retie, tied_names
 
@@ -47,8 +47,8 @@ def host_readable(model: nn.Module) -> None:
 class XlaLayout:
     """Where each tensor of the model and of its training state lives, and how it is split."""
 
-    def __init__(self, cfg: BackendConfig, devices: XlaDevices, core: TorchCore):
-        self.tp_plan, self.devices, self.core = cfg.mesh.tp_plan, devices, core
+    def __init__(self, mesh: MeshConfig, devices: XlaDevices, core: TorchCore):
+        self.tp_plan, self.devices, self.core = mesh.tp_plan, devices, core
         self.splits: dict[str, int] = {}  # split parameter name -> its axis along `tp`
 
     def place(self, model: nn.Module, dtype: torch.dtype) -> None:
