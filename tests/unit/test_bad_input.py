@@ -204,7 +204,7 @@ def test_use_accel_selects_the_xla_path():
     [
         ("jax", {"tp": 2, "devices": 2}, "JAX_NUM_PROCESSES"),
         ("jax", {"shard": "full", "devices": 2}, "JAX_NUM_PROCESSES"),
-        ("xla", {"tp": 2, "devices": 2}, "WORLD_SIZE"),
+        pytest.param("xla", {"tp": 2, "devices": 2}, "WORLD_SIZE", marks=pytest.mark.xla),
     ],
 )
 def test_a_split_over_one_process_is_refused_from_the_support_table_where_processes_join(
