@@ -146,7 +146,10 @@ def test_a_vit_split_by_tensors_trains_the_one_process_losses(tmp_path, free_por
     commands = documented("python examples/tensor_parallel.py")  # an env assignment may lead
     commands += documented("torchrun --nproc_per_node 4 examples/tensor_parallel.py")
     assert len(commands) == 4, commands
-    runs = [run(c, tmp_path / str(i), port=free_port()) for i, c in enumerate(commands)]
+    # The one-process command in this process; the others need processes of their own.
+    runs = [
+        run(c, tmp_path / str(i), port=free_port(), in_process=True) for i, c in enumerate(commands)
+    ]
     one = next(r for r, c in zip(runs, commands, strict=True) if "--tp" not in c)
     assert one["losses"][-1] < one["losses"][0]  # it learns
     for r in runs:

@@ -20,8 +20,11 @@ from tests.helpers import api_loss_fn, run_module, train, train_ranks
 pytestmark = pytest.mark.slow
 
 # 4 blocks (2 pipeline stages of 2), clipping on (its norm spans the tensor shards, the
-# classifier's rows and the stages) and an EMA of every split weight; a global batch of 8.
+# classifier's rows and the stages) and an EMA of every split weight; a global batch of 8. 64
+# synthetic images: 6 steps' worth, and 16 to evaluate (the default's 256 would make each rank's
+# evaluation of the model and its EMA, a step of DTensor's dispatch per layer, half its run).
 JOB = ("--model", "vit_micro_d4", "--steps", "6", "--batch_size", "8", "--workers", "0")
+JOB += ("--synthetic_length", "64")
 JOB += ("--log_every", "1", "--save_every", "2", "--pp_microbatches", "2", "--clip_grad", "0.5")
 JOB += ("--model_ema", "--model_ema_decay", "0.9", "--num_classes", "11")
 FOUR = ("--nproc_per_node", "4")
