@@ -4,6 +4,7 @@ with the command line, and each refusal as one line."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import math
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 import accel
+from accel.backends.base import Backend
 from accel.checkpoint import latest_checkpoint
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.job import LRSchedule, param_groups, parameter_settings
@@ -340,10 +342,6 @@ def test_the_recompile_limit_stops_every_compiling_backend_alike_in_one_line(bac
 def test_every_backend_method_takes_the_contracts_parameters_and_defaults(backend, tmp_path):
     """A Backend method that one of the backend's parts does (base.Forwarded) is the part's own
     method: it takes what the contract (base.Backend) promises, defaults included."""
-    import inspect
-
-    from accel.backends.base import Backend
-
     built = job_backend(micro_config(tmp_path, backend=backend))
     for name, contract in vars(Backend).items():
         if name.startswith("_") or not inspect.isfunction(contract):
