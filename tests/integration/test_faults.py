@@ -87,17 +87,24 @@ def test_a_crafted_checkpoint_folder_never_runs_its_code(saved_run, tmp_path):
 
 
 def test_a_second_run_into_a_folder_in_use_stops_and_the_first_is_untouched(tmp_path):
-    long = (*JOB, "--steps", "400", "--log_every", "50", "--save_every", "100", "--run_name", "r")
-    lone = launch(*long, "--output", str(tmp_path / "lone"))
+    job = (*JOB, "--steps", "20", "--log_every", "5", "--save_every", "10", "--run_name", "r")
+    lone = launch(*job, "--output", str(tmp_path / "lone"))
     assert lone.returncode == 0, lone.stderr[-2000:]
-    first = start_cli(*long, "--output", str(tmp_path / "shared"))
+    first = start_cli(*job, "--output", str(tmp_path / "shared"))
     lock = tmp_path / "shared" / "vit_micro" / "eager" / "r" / ".lock"
     deadline = time.monotonic() + 120
     while not (lock.exists() and lock.read_text().strip()):
         assert first.poll() is None and time.monotonic() < deadline
         time.sleep(0.05)
-    second = launch(*long, "--output", str(tmp_path / "shared"))  # refused before any work
-    assert first.poll() is None, "the first run ended before the second started"
+    # The first run is paused (SIGSTOP, as Ctrl-Z pauses a run, which keeps its folder) while
+    # the second starts: it cannot finish first however slow the machine, and it must go on
+    # untouched once it continues.
+    first.send_signal(signal.SIGSTOP)
+    try:
+        assert first.poll() is None, "the first run ended before the second started"
+        second = launch(*job, "--output", str(tmp_path / "shared"))  # refused before any work
+    finally:
+        first.send_signal(signal.SIGCONT)
     _one_line(second, "in use by pid", str(first.pid))
     _, stderr = first.communicate(timeout=300)
     assert first.returncode == 0, stderr[-2000:]

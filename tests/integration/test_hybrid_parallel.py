@@ -14,8 +14,9 @@ import torch
 
 import accel
 from accel.config import ConfigError
+from tests import api_tensor_parallel
 from tests.api_tensor_parallel import MlpNet, build
-from tests.helpers import api_loss_fn, run_module, train, train_ranks
+from tests.helpers import api_loss_fn, as_a_command, run_module, train, train_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -97,9 +98,15 @@ SCRIPT = "tests.api_tensor_parallel"
 
 
 def _script(model: str, out: Path, *launch: str, backend="eager", devices="1", tp="1") -> dict:
+    """The script under `launch` (torchrun's module and its flags); without, its main in this
+    process, with the arguments `python -m` would give it."""
     module, *args = (*launch, SCRIPT, model, backend, devices, tp, "none", str(out))
-    done = run_module(module, *args)
-    assert done.returncode == 0, done.stderr[-3000:]
+    if not launch:
+        with as_a_command(None, [module, *args]):
+            api_tensor_parallel.main()
+    else:
+        done = run_module(module, *args)
+        assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
 

@@ -4,8 +4,8 @@ public API to the one-device run's losses on the same global batches; the state 
 holds, the whole state_dict, evaluation, the model's forward and a checkpoint's round trip on
 the 2-D mesh.
 
-The runs are this module run as a script in a process of its own (JAX reads its device count
-once, as it starts):
+The runs on 4 devices are this module run as a script in a process of its own (JAX reads its
+device count once, as it starts); the one-device runs are made in the test's process:
 
     python -m tests.integration.test_jax_tensor_parallel MODEL DEVICES TP SHARD OUT
     python -m tests.integration.test_jax_tensor_parallel refusals - - - OUT
@@ -146,11 +146,13 @@ def run(tmp_path: Path, *args: str) -> dict:
 
 @pytest.fixture(scope="module")
 def one_device(tmp_path_factory) -> dict:
-    """The one-device runs of each model, the reference."""
+    """The one-device runs of each model, the reference: in this process, whose JAX has one
+    CPU device."""
     found = {}
     for kind in ("vit", "mlp"):
         out = tmp_path_factory.mktemp(f"one_{kind}")
-        found[kind] = (run(out, kind, "1", "1", "none"), out)
+        run_layout(kind, 1, 1, "none", out)
+        found[kind] = (json.loads((out / "result.json").read_text()), out)
     return found
 
 

@@ -3,7 +3,6 @@ uninterrupted one: bit for bit on eager (CPU, fp32), within 1e-6 relative on xla
 job keeps an EMA, erases at random and decays the learning rate by layer, so all of that state
 and randomness has to come back too."""
 
-import json
 import signal
 import subprocess
 import time
@@ -16,7 +15,7 @@ from accel.checkpoint import read_meta
 from accel.cli.data.config import DataConfig
 from accel.cli.data.prepare import prepare_mock_imagenet
 from accel.cli.train import Trainer
-from tests.helpers import launch, micro_config, read_summary, run_cli, start_cli
+from tests.helpers import launch, micro_config, read_summary, start_cli, train_ranks
 
 JOB = (
     "--model",
@@ -142,17 +141,12 @@ def test_two_ranks_resume_their_own_random_streams(tmp_path):
     2-process run restores every rank's own state, so its losses match bit for bit."""
     job = ("--nproc_per_node", "2", "--drop_path", "0.5", "--save_every", "3")
     job += ("--steps", "6", "--batch_size", "8", "--workers", "0", "--no-eval", "--log_every", "1")
-    first = run_cli(*job, "--run_name", "a", "--keep_checkpoints", "0", "--output", str(tmp_path))
-    assert first.returncode == 0, first.stderr[-2000:]
-    run_a = tmp_path / "vit_micro" / "eager" / "a"
-    ranks = read_meta(run_a / "checkpoints" / "step_00000003.pt")["rng"]
+    uninterrupted, _ = train_ranks(tmp_path / "a", *job, "--keep_checkpoints", "0")
+    saved = tmp_path / "a" / "vit_micro" / "eager" / "r" / "checkpoints" / "step_00000003.pt"
+    ranks = read_meta(saved)["rng"]
     assert len(ranks) == 2 and not torch.equal(ranks[0]["torch"], ranks[1]["torch"])
-    resume_from = str(run_a / "checkpoints" / "step_00000003.pt")
-    again = run_cli(*job, "--run_name", "b", "--resume", resume_from, "--output", str(tmp_path))
-    assert again.returncode == 0, again.stderr[-2000:]
-    summaries = [tmp_path / "vit_micro" / "eager" / run / "summary.json" for run in "ab"]
-    uninterrupted, resumed = (json.loads(s.read_text())["losses"] for s in summaries)
-    assert resumed == uninterrupted
+    resumed, _ = train_ranks(tmp_path / "b", *job, "--resume", str(saved))
+    assert resumed["losses"] == uninterrupted["losses"]
 
 
 def test_after_a_resume_the_images_evaluation_skips_are_counted(tmp_path):

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import ROOT, Command, read_summary, run_cli, run_command
+from tests.helpers import ROOT, Command, read_summary, run_cli, run_command, train
 
 SCRIPT = Path(sys.executable).with_name("launch_single_task")  # the installed console script
 SEED_COMMANDS = [
@@ -88,21 +88,17 @@ def test_the_quick_start_has_an_eager_and_an_accelerated_command():
     assert len(QUICK_START) == 2 and "USE_ACCEL=1" in QUICK_START[1]
 
 
-def _jax_losses(output: Path, workers: int) -> tuple[list[float], str]:
-    result = run_cli(
-        *("--backend", "jax", "--steps", "4", "--batch_size", "8", "--no-eval"),
-        *("--mixup", "0.8", "--cutmix", "1.0", "--synthetic_length", "64"),
-        *("--workers", str(workers), "--output", str(output)),
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    return read_summary(output)["losses"], result.stdout + result.stderr
+JAX_JOB = ("--backend", "jax", "--steps", "4", "--batch_size", "8", "--no-eval")
+JAX_JOB += ("--mixup", "0.8", "--cutmix", "1.0", "--synthetic_length", "64")
 
 
 def test_jax_with_loader_workers_forks_no_threaded_process(tmp_path):
-    with_workers, printed = _jax_losses(tmp_path / "workers", 2)
+    result = run_cli(*JAX_JOB, "--workers", "2", "--output", str(tmp_path / "workers"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    printed = result.stdout + result.stderr
     assert "deadlock" not in printed and "os.fork()" not in printed
-    without, _ = _jax_losses(tmp_path / "main", 0)
-    assert with_workers == without  # the same batches, bit for bit
+    without, _ = train(tmp_path / "main", *JAX_JOB, "--workers", "0")  # the reference, here
+    assert read_summary(tmp_path / "workers")["losses"] == without["losses"]  # bit for bit
 
 
 def _first_step_launch(output: Path) -> dict:

@@ -15,7 +15,15 @@ import torch
 from torch import nn
 
 import accel
-from tests.helpers import HAS_XLA, TWO_HOST_DEVICES, run_module, train_cli, xla_flags
+from tests import mesh_inputs
+from tests.helpers import (
+    HAS_XLA,
+    TWO_HOST_DEVICES,
+    as_a_command,
+    run_module,
+    train_cli,
+    xla_flags,
+)
 
 BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile", "jax"]
 PARITY = {"rel": 1e-5, "abs": 1e-6}  # fp32 across compilers
@@ -260,6 +268,14 @@ def entry_parameters(program: str) -> list[str]:
     return re.findall(r"\w+\[[\d,]*\]", entry.group(1)) if entry else []
 
 
+def one_device_run(backend: str, out: Path) -> dict:
+    """tests/mesh_inputs.py on one device, its record: in this process (whose XLA and JAX have
+    one device each), with the arguments `python -m` would give it."""
+    with as_a_command(None, ["tests.mesh_inputs", backend, str(out), "1"]):
+        mesh_inputs.main()
+    return json.loads((out / "result.json").read_text())
+
+
 def mesh_run(backend: str, tmp_path: Path, devices: int = 2) -> tuple[dict, list[str]]:
     """tests/mesh_inputs.py on a mesh of `devices` devices: its record, and the compiled
     programs of its steps (xla: XLA's dump of each step graph; jax: the lowered step's)."""
@@ -290,7 +306,7 @@ def test_host_tensors_on_a_two_device_mesh_are_split_as_the_loaders(tmp_path, ba
     micro-batch's half with accum=2, cut on the host before it is sent), the gradient is
     all-reduced across the devices, and every way in trains the one-device losses."""
     record, programs = mesh_run(backend, tmp_path)
-    one, _ = mesh_run(backend, tmp_path / "one", devices=1)
+    one = one_device_run(backend, tmp_path / "one")
     steps = [p for p in programs if "f32[16,5]" in " ".join(entry_parameters(p))]  # the weight
     assert steps and all("all-reduce" in p for p in steps)
     inputs = {s for p in steps for s in entry_parameters(p) if s.endswith(",5]") and "16" not in s}

@@ -4,9 +4,10 @@ user's own MLP (its tp_plan) each train the one-device run's losses on the same 
 the split weights and their moments are held in halves along `model`, engine.state_dict() is
 the whole model under its torch names, and a checkpoint resumes the split run exactly.
 
-The runs are this file run as a module (`python -m tests.integration.test_xla_tensor_parallel
+The mesh runs are this file run as a module (`python -m tests.integration.test_xla_tensor_parallel
 KIND DEVICES TP OUT`), each in a process of its own: the mesh's CPU devices (CPU_NUM_DEVICES) are
-set before torch_xla's runtime starts there, where this process's runtime started with one.
+set before torch_xla's runtime starts there, where this process's runtime started with one (the
+one-device runs are made here).
 """
 
 from __future__ import annotations
@@ -143,10 +144,15 @@ def run(kind: str, devices: int, tp: int, out: Path) -> None:
 
 # --- the tests ----------------------------------------------------------------------------------
 def start(kind: str, devices: int, tp: int, out: Path) -> dict:
+    """The run on one device in this process (whose runtime started with one); on a mesh in a
+    process of its own."""
     out.mkdir(parents=True, exist_ok=True)
-    env = {"CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
-    done = run_module(MODULE, kind, str(devices), str(tp), str(out), env=env)
-    assert done.returncode == 0, done.stderr[-3000:]
+    if devices == 1:
+        run(kind, devices, tp, out)
+    else:
+        env = {"CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
+        done = run_module(MODULE, kind, str(devices), str(tp), str(out), env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
 
