@@ -16,7 +16,7 @@ import accel
 from accel.config import ConfigError
 from tests import api_tensor_parallel
 from tests.api_tensor_parallel import MlpNet, build
-from tests.helpers import api_loss_fn, as_a_command, run_module, train, train_ranks
+from tests.helpers import api_loss_fn, as_a_command, run_module, train, train_ranks, xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -152,7 +152,7 @@ def test_a_plan_that_cannot_split_is_refused_in_one_line():
 
 def test_a_checkpoint_of_jax_data_2_by_model_2_loads_on_eager(tmp_path):
     pytest.importorskip("jax", reason="jax is not installed")
-    env = {"XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
     done = run_module(SCRIPT, "own", "jax", "4", "2", "none", str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     trained = json.loads((tmp_path / "result.json").read_text())

@@ -43,13 +43,19 @@ def test_padded_path_equals_plain_attention_forward_and_gradients(tokens, bias_b
     def padded(q, k, v, bias):
         return padded_attention(q, k, v, bias=bias, implementation="xla")
 
+    # Each path and its gradients as one compiled program, as a step runs them: op by op, the
+    # CPU compiles every primitive on its own (seconds for one test).
+    def forward_and_grads(attention, cotangent):
+        out, pullback = jax.vjp(attention, q, k, v, bias)
+        return out, pullback(cotangent)
+
+    compiled = jax.jit(forward_and_grads, static_argnums=0)
+    cotangent = jax.random.normal(jax.random.key(7), q.shape)
     with jax.default_matmul_precision("highest"):
-        out = padded(q, k, v, bias)
-        assert out.shape == q.shape
-        np.testing.assert_allclose(out, plain_attention(q, k, v, bias), rtol=1e-6, atol=1e-6)
-        cotangent = jax.random.normal(jax.random.key(7), out.shape)
-        grads = jax.vjp(padded, q, k, v, bias)[1](cotangent)
-        expected = jax.vjp(plain_attention, q, k, v, bias)[1](cotangent)
+        out, grads = compiled(padded, cotangent)
+        plain, expected = compiled(plain_attention, cotangent)
+    assert out.shape == q.shape
+    np.testing.assert_allclose(out, plain, rtol=1e-6, atol=1e-6)
     for name, got, want in zip(("q", "k", "v", "bias"), grads, expected, strict=True):
         assert got.shape == want.shape, name
         np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6, err_msg=name)
