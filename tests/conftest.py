@@ -35,8 +35,9 @@ def xla_takes(flag: str) -> bool:
 # (test_convergence.py) take XLA's default back (helpers.DEFAULT_XLA). And where this XLA still
 # has its elemental emitters (newer ones have the fusion emitters only), the fusions' code from
 # those: the same fusions, emitted in about half the time (a swin_micro run's compiles on xla:
-# 3.7 s -> 1.9 s, on jax 2.8 s -> 1.6 s; the same losses). Before torch_xla's import below,
-# which reads the variable.
+# 3.7 s -> 1.9 s, on jax 2.8 s -> 1.6 s; the same losses), rounded alike but for the last bits
+# (where a test compares runs whose graphs differ at 1e-7, it runs them at the fusion emitters:
+# helpers.FUSION_EMITTERS). Before torch_xla's import below, which reads the variable.
 if "XLA_FLAGS" not in os.environ:
     ELEMENTAL = "--xla_cpu_use_fusion_emitters=false"
     os.environ["XLA_FLAGS"] = "--xla_backend_optimization_level=0" + (

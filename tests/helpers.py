@@ -66,6 +66,15 @@ def xla_flags(*flags: str) -> str:
 TWO_HOST_DEVICES = "--xla_force_host_platform_device_count=2"  # JAX's and XLA's on a CPU
 # XLA's default code generation, for runs whose steps outweigh their compiles.
 DEFAULT_XLA = {"XLA_FLAGS": ""}
+# The suite's XLA flags with XLA's fusion emitters back in place of its elemental ones
+# (conftest.py), for runs compared at float rounding with runs whose graphs differ from theirs.
+FUSION_EMITTERS = {
+    "XLA_FLAGS": " ".join(
+        flag
+        for flag in os.environ.get("XLA_FLAGS", "").split()
+        if not flag.startswith("--xla_cpu_use_fusion_emitters")
+    )
+}
 
 
 def free_port(taken: set[int] = set()) -> int:  # noqa: B006 (the ports handed out so far)
