@@ -276,20 +276,20 @@ def one_device_run(backend: str, out: Path) -> dict:
     return json.loads((out / "result.json").read_text())
 
 
-def mesh_run(backend: str, tmp_path: Path, devices: int = 2) -> tuple[dict, list[str]]:
-    """tests/mesh_inputs.py on a mesh of `devices` devices: its record, and the compiled
-    programs of its steps (xla: XLA's dump of each step graph; jax: the lowered step's)."""
+def mesh_run(backend: str, tmp_path: Path) -> tuple[dict, list[str]]:
+    """tests/mesh_inputs.py on a mesh of 2 devices: its record, and the compiled programs of its
+    steps (xla: XLA's dump of each step graph; jax: the lowered step's)."""
     dump = tmp_path / "dump"
     env = {"JAX_PLATFORMS": "cpu", "PJRT_DEVICE": "CPU"}
     if backend == "xla":
-        env["CPU_NUM_DEVICES"] = str(devices)
+        env["CPU_NUM_DEVICES"] = "2"
         env["XLA_FLAGS"] = xla_flags(
             f"--xla_dump_to={dump}", "--xla_dump_hlo_as_text",
             "--xla_dump_hlo_module_re=SyncTensorsGraph",
         )  # fmt: skip
     else:
-        env["XLA_FLAGS"] = xla_flags(f"--xla_force_host_platform_device_count={devices}")
-    done = run_module("tests.mesh_inputs", backend, str(tmp_path), str(devices), env=env)
+        env["XLA_FLAGS"] = xla_flags(TWO_HOST_DEVICES)
+    done = run_module("tests.mesh_inputs", backend, str(tmp_path), "2", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "result.json").read_text())
     if backend == "xla":
