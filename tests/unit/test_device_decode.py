@@ -1,6 +1,7 @@
 """JPEG decoding on the training device (--data_device gpu), run here on the CPU device: the same
 code path as on a GPU but for torchvision's decoder (libjpeg-turbo instead of nvJPEG)."""
 
+import random
 from pathlib import Path
 
 import numpy as np
@@ -10,8 +11,8 @@ import torch
 from accel.cli.config import replace_path
 from accel.cli.data.collate import TrainCollate
 from accel.cli.data.config import DataConfig, MixupConfig
-from accel.cli.data.device_decode import DeviceDecodedLoader
-from accel.cli.data.folder import BadImageError
+from accel.cli.data.device_decode import DeviceDecodedLoader, EncodedCrop, EncodedJpeg
+from accel.cli.data.folder import BadImageError, train_transform
 from accel.cli.data.jpeg_decoders import decoding_error as device_decoding_error
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.data.sampling import SampleKey
@@ -47,7 +48,7 @@ def test_device_path_gives_the_cpu_paths_crops_targets_and_skips(dirty_imagenet)
         diff = (dev["images"].float() - cpu["images"].float()).abs().mean()
         assert diff < 2.0, diff
     skipped = {Path(p).name for batch in device for p in batch["skipped"]}
-    assert skipped == {"truncated.jpg", "empty.jpg", "notes.png"}  # the truncated one: on device
+    assert skipped == {"truncated.jpg", "empty.jpg", "notes.png"}
 
 
 @pytest.mark.slow  # loader workers: forkserver processes
@@ -80,7 +81,29 @@ def test_mix_plan_mixes_like_timms_fast_collate_mixup():
     assert kinds == {True, False}  # both cutmix and mixup batches were drawn
 
 
-def test_strict_data_stops_at_a_file_only_the_device_decoder_finds_broken(dirty_imagenet):
+def test_a_jpeg_cut_short_is_decoded_by_its_worker_never_by_the_device(dirty_imagenet, tmp_path):
+    """nvJPEG decodes a truncated file, filling in the rest, where the CPU path skips it: a worker
+    sends the device only files that end with JPEG's end-of-image marker."""
+    folder = dirty_imagenet / "train" / "n00000000"
+    crop = EncodedCrop(train_transform(32, DataConfig(), draft=False))
+    whole = next(folder.glob("*.JPEG"))
+    assert isinstance(crop(str(whole)), EncodedJpeg)
+    with pytest.raises(OSError, match="truncated"):  # PIL's decode on the worker: skipped there
+        crop(str(folder / "truncated.jpg"))
+    trailing = tmp_path / "trailing.jpg"  # bytes after the image: whole, but decoded on the CPU
+    trailing.write_bytes(whole.read_bytes() + bytes(16))
+    decoded = seeded(0, crop, str(trailing))
+    assert torch.equal(decoded, seeded(0, crop.cpu, str(whole)))  # the CPU path's crop of it
+
+
+def seeded(seed: int, transform, path: str) -> torch.Tensor:
+    """A crop with its draws fixed: the box from Python's stream (timm), the flips from torch's."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return transform(path)
+
+
+def test_strict_data_stops_at_the_first_bad_file_on_the_device_path(dirty_imagenet):
     cfg = DataConfig(source=str(dirty_imagenet), workers=0, decode_on="cpu", strict=True)
     loader = build_train_loader(cfg, 32, 4, (0, 1), seed=3, num_classes=3)
     assert isinstance(loader, DeviceDecodedLoader)

@@ -6,8 +6,9 @@ the CPU path draws them. The main process then decodes the whole batch at once o
 flips and mixes there.
 What the CPU path promises still holds: the same soft targets for the same batch, randomness keyed
 per sample, unreadable files skipped and counted (or --strict-data), odd colour modes converted.
-Files nvJPEG does not take (not JPEG, CMYK, ...) are decoded by the workers on the CPU, and a file
-the device decoder refuses is decoded again on the CPU path, which skips it if it is unreadable.
+Files nvJPEG does not take (not JPEG, CMYK, ...) or would take wrongly (cut short: it fills in the
+rest) are decoded by the workers on the CPU, and a file the device decoder refuses is decoded
+again on the CPU path, which skips it if it is unreadable.
 """
 
 from __future__ import annotations
@@ -57,12 +58,21 @@ class EncodedCrop:
         with Image.open(path) as img:  # reads the header only; not an image: raises here
             on_device = img.format == "JPEG" and img.mode in DEVICE_MODES
             size = img.size
-        if not on_device:
+        data = np.fromfile(path, dtype=np.uint8) if on_device else None
+        if data is None or not ends_whole(data):
             return self.cpu(path)
         box = self.cpu.box(*size)
         bicubic = self.cpu.resample() == Image.Resampling.BICUBIC
         flips = self.cpu.flips()
-        return EncodedJpeg(np.fromfile(path, dtype=np.uint8), box, bicubic, flips)
+        return EncodedJpeg(data, box, bicubic, flips)
+
+
+def ends_whole(data: np.ndarray) -> bool:
+    """Whether a JPEG file's bytes end with its end-of-image marker (FF D9). nvJPEG decodes a
+    truncated file without an error, filling in what is missing, where the CPU path refuses it:
+    a file that does not end there (cut short, or with bytes after the image) is decoded by its
+    worker on the CPU path, which skips it or trains on it as it always does."""
+    return data.size >= 4 and int(data[-2]) == 0xFF and int(data[-1]) == 0xD9
 
 
 class EncodedCollate:
