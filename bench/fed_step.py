@@ -73,6 +73,7 @@ def torch_profile(work, top: int) -> dict:
     return {
         name: {
             "ms_per_step": round(sum(r[1] for r in rows), 3),
+            "by_kind": by_kind((k, ms) for k, ms, _ in rows),
             "top": [
                 {"name": k[:160], "ms_per_step": round(ms, 3), "calls": calls, "stats": {}}
                 for k, ms, calls in rows[:top]
@@ -108,6 +109,7 @@ def device_profile(work, top: int) -> dict:
                 ranked = sorted(totals.items(), key=lambda item: -item[1][0])
                 lines[f"{plane.name} {line.name}"] = {
                     "ms_per_step": round(sum(t[0] for t in totals.values()), 3),
+                    "by_kind": by_kind((name, t[0]) for name, t in totals.items()),
                     "top": [
                         {
                             "name": name[:160],
@@ -119,6 +121,40 @@ def device_profile(work, top: int) -> dict:
                     ],
                 }
         return lines
+
+
+# What a kernel (or a CPU op) does, from its name: the first kind one of whose marks it holds.
+# cuDNN's and PyTorch's attention kernels name themselves (sdpa, flash, fmha); cuBLAS's matmuls
+# are nvjet or gemm kernels, CUTLASS's cutlass ones (convolutions too), inductor's Triton
+# templates triton_tem; XLA names its fusions by their root (loop_: elementwise, input_: a
+# reduction), inductor its Triton kernels (triton_poi: pointwise, triton_red and triton_per:
+# reductions). XLA's own matmul fusions are plain fusion_N: "other fusion".
+KINDS = (
+    ("attention", ("fmha", "sdpa", "flash", "attention")),
+    ("matmul", ("nvjet", "gemm", "cutlass", "cublas", "triton_tem", "::mm", "addmm", "bmm")),
+    ("elementwise", ("loop_", "triton_poi")),
+    ("reduction", ("input_", "triton_red", "triton_per")),
+    ("optimizer", ("multi_tensor_apply", "optimizer.step")),
+    ("copy", ("memcpy", "memset", "copy")),
+)
+
+
+def kernel_kind(name: str) -> str:
+    """The kind of work a device kernel or CPU op named `name` does (KINDS)."""
+    low = name.lower()
+    for kind, marks in KINDS:
+        if any(mark in low for mark in marks):
+            return kind
+    return "other fusion" if "fusion" in low else "other"
+
+
+def by_kind(timed) -> dict[str, float]:
+    """Milliseconds a step by kind of work, the largest first, from (name, ms) pairs."""
+    kinds: dict[str, float] = {}
+    for name, ms in timed:
+        kind = kernel_kind(name)
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    return {k: round(ms, 3) for k, ms in sorted(kinds.items(), key=lambda item: -item[1])}
 
 
 def event_stats(event) -> dict[str, str]:
@@ -162,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
         args.profile_out.write_text(json.dumps(record, indent=1) + "\n")
     for name, line in record.pop("profile", {}).items():
         print(f"\n{name}: {line['ms_per_step']:.2f} ms a step")
+        print("  by kind: " + ", ".join(f"{k} {ms:.2f} ms" for k, ms in line["by_kind"].items()))
         for op in line["top"]:
             print(
                 f"  {op['ms_per_step']:8.3f} ms  x{op['calls'] // PROFILED_STEPS:<4} {op['name']}"

@@ -255,6 +255,8 @@ def fed_steps(smoke: bool, env: dict, budget: Budget, runs: list[tuple], top: in
         )
         for name, line in record.get("profile", {}).items():
             lines.append(f"  {name}: {line['ms_per_step']:.2f} ms a step")
+            kinds = ", ".join(f"{k} {ms:.2f}" for k, ms in line.get("by_kind", {}).items())
+            lines += [f"    by kind (ms): {kinds}"] if kinds else []
             lines += [f"    {op['ms_per_step']:.3f} ms {op['name'][:100]}" for op in line["top"]]
     return {"rows": rows, "lines": lines}
 

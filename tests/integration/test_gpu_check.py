@@ -71,6 +71,11 @@ def test_decode_attention_and_profile_stages_measure_on_this_machine(smoke):
     ]
     assert all(row["fed_images_per_sec"] > 0 for row in profiled)
     # torch's profiler gives eager's top ops on the CPU too (jax.profiler's planes are a GPU's)
-    assert any(line["top"] for line in profiled[1]["profile"].values())
+    (cpu_ops,) = profiled[1]["profile"].values()
+    assert cpu_ops["top"]
+    # every op's time in one kind or another: the kinds sum to the step (each rounded to 1 us)
+    kinds = cpu_ops["by_kind"]
+    assert sum(kinds.values()) == pytest.approx(cpu_ops["ms_per_step"], abs=1e-3 * len(kinds))
+    assert kinds["matmul"] > 0  # the model's linear layers: aten::mm and aten::addmm
     (remat,) = stages["remat"]["rows"]
     assert remat["remat"] == "dots" and remat["fed_images_per_sec"] > 0
