@@ -13,6 +13,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -148,7 +149,7 @@ def kernel_kind(name: str) -> str:
     return "other fusion" if "fusion" in low else "other"
 
 
-def by_kind(timed) -> dict[str, float]:
+def by_kind(timed: Iterable[tuple[str, float]]) -> dict[str, float]:
     """Milliseconds a step by kind of work, the largest first, from (name, ms) pairs."""
     kinds: dict[str, float] = {}
     for name, ms in timed:
