@@ -73,7 +73,7 @@ def final_ema(output: Path, backend: str) -> torch.Tensor:
     return torch.cat([t.flatten() for _, t in sorted(ema.items())])
 
 
-def finished(output: Path, *args: str, backend: str, env: dict | None) -> tuple:
+def full_run(output: Path, *args: str, backend: str = "eager", env: dict | None = None) -> tuple:
     """A run to its end: in this process, or with `env` in a process of its own (XLA reads its
     flags once, as it starts); its losses and final EMA."""
     argv = (*JOB, "--backend", backend, "--output", str(output), *args)
@@ -82,14 +82,10 @@ def finished(output: Path, *args: str, backend: str, env: dict | None) -> tuple:
     return read_summary(output)["losses"], final_ema(output, backend)
 
 
-def full_run(output: Path, backend: str = "eager", env: dict | None = None) -> tuple:
-    return finished(output, backend=backend, env=env)
-
-
 def resume(output: Path, backend: str = "eager", env: dict | None = None) -> tuple:
     """The killed run's resume, in this process unless `env` is given: only the kill needs a
     process of its own."""
-    return finished(output, "--resume", "auto", backend=backend, env=env)
+    return full_run(output, "--resume", "auto", backend=backend, env=env)
 
 
 def killed_and_resumed(
@@ -124,7 +120,7 @@ def test_xla_and_jax_resume_after_sigkill_reproduce_the_losses(tmp_path, backend
     # at XLA's fusion emitters: the resumed run's first graphs are not the uninterrupted run's,
     # and the suite's elemental emitters round them 6e-7 apart in the EMA, beyond this bound.
     env = FUSION_EMITTERS if backend == "xla" else None
-    losses, ema = full_run(tmp_path / "full", backend, env)
+    losses, ema = full_run(tmp_path / "full", backend=backend, env=env)
     got = killed_and_resumed(tmp_path / "killed", 5, backend, env)
     assert got[0] == pytest.approx(losses, rel=1e-6)
     torch.testing.assert_close(got[1], ema, rtol=1e-6, atol=1e-7)
