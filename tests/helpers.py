@@ -126,8 +126,10 @@ def as_a_command(env: dict | None, argv: list[str] | None = None):
         sys.argv = saved_argv
 
 
-# What every rank imports, imported once by the ranks' fork server (see train_ranks).
+# What every rank imports, imported once by the ranks' fork server (see train_ranks); then
+# tests/rank_server.py freezes what they made.
 RANK_PRELOAD = ["torch", "timm", "accel.cli.launch", "accel.cli.train", "tests.helpers"]
+RANK_PRELOAD += ["tests.rank_server"]
 
 
 def train_ranks(
