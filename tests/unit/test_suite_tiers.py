@@ -5,6 +5,7 @@ they are, and the suite itself naming no private attribute of the libraries it r
 from __future__ import annotations
 
 import ast
+import os
 import signal
 import subprocess
 import sys
@@ -225,3 +226,13 @@ def test_a_worker_runs_a_files_tests_the_shared_runs_readers_and_the_unit_tests_
     assert conftest.worker_group(f"{hybrid}::test_each[fsdp2xtp2]") == hybrid
     assert conftest.worker_group("tests/unit/test_data.py::test_x") == "tests/unit"
     assert conftest.worker_group("tests/unit/test_amp.py::test_y[O1]") == "tests/unit"
+
+
+def test_each_process_of_the_suite_keeps_the_intra_op_threads_conftest_sets():
+    """conftest sets OMP_NUM_THREADS (1, unless the environment says otherwise) before torch's
+    import, for this process and every command it starts (which inherit it): the suite's
+    processes fill the cores, and a second thread in each would only wait for one. Set too late,
+    it would leave torch its default, a thread a core."""
+    import torch
+
+    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
