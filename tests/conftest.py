@@ -15,13 +15,16 @@ import pytest
 # JAX's platform is chosen per run in pytest_configure (below), before anything imports jax.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-# One intra-op thread a process (torch's OpenMP pool, and inductor's kernels with it), read as
-# torch is imported, here and by every command the suite starts. The suite keeps every core
-# busy with processes of its own (two pytest-xdist workers, each starting commands), so a
-# process's second thread only waits at OpenMP's barriers for a core another process holds:
-# measured on 2 cores, four integration files on two workers took 89 s against 103 s. torchrun
-# sets the same for several ranks on one host.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
+# Under make test's pytest-xdist workers, one intra-op thread a process (torch's OpenMP pool, and
+# inductor's kernels with it), read as torch is imported, here and by every command a worker
+# starts. Two workers keep both cores busy with processes of their own (idle 3% of a full run,
+# counted by vmstat), so a process's second thread only waits at OpenMP's barriers for a core
+# another process holds: measured on 2 cores, four integration files on two workers took 89 s
+# against 103 s. torchrun sets the same for several ranks on one host. The fast tier, one
+# process alone, keeps torch's default.
+WORKER = "PYTEST_XDIST_WORKER" in os.environ
+if WORKER:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def xla_takes(flag: str) -> bool:
@@ -56,12 +59,13 @@ if "XLA_FLAGS" not in os.environ:
 # inherited by every command the suite starts. A compile test's subject is what accel does
 # around the compiler, not the compiler's vector code.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
-# And its kernels compiled one after another in the compiling process (its config's
-# compile_threads), not by a pool of compile workers: each pool is fresh interpreters that import
-# torch, started by every process that compiles, for cores the suite's other processes already
-# hold (measured on 2 cores, the compile cases of three files on two workers, caches cold: 104 s
-# against 120 s). The same kernels.
-os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+# And, under the workers, its kernels compiled one after another in the compiling process (its
+# config's compile_threads), not by a pool of compile workers: each pool is fresh interpreters
+# that import torch, started by every process that compiles, for cores the suite's other
+# processes already hold (measured on 2 cores, the compile cases of three files on two workers,
+# caches cold: 104 s against 120 s). The same kernels.
+if WORKER:
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))

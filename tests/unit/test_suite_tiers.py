@@ -228,11 +228,14 @@ def test_a_worker_runs_a_files_tests_the_shared_runs_readers_and_the_unit_tests_
     assert conftest.worker_group("tests/unit/test_amp.py::test_y[O1]") == "tests/unit"
 
 
-def test_each_process_of_the_suite_keeps_the_intra_op_threads_conftest_sets():
-    """conftest sets OMP_NUM_THREADS (1, unless the environment says otherwise) before torch's
-    import, for this process and every command it starts (which inherit it): the suite's
-    processes fill the cores, and a second thread in each would only wait for one. Set too late,
-    it would leave torch its default, a thread a core."""
+def test_each_process_of_make_tests_workers_keeps_one_intra_op_thread():
+    """Under make test's pytest-xdist workers, conftest sets OMP_NUM_THREADS (1, unless the
+    environment says otherwise) before torch's import, for the worker and every command it starts
+    (which inherit it): the suite's processes fill the cores, and a second thread in each would
+    only wait for one. Set too late, it would leave torch its default, a thread a core."""
     import torch
 
-    assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
+    if conftest.WORKER:
+        assert "OMP_NUM_THREADS" in os.environ and "TORCHINDUCTOR_COMPILE_THREADS" in os.environ
+    if "OMP_NUM_THREADS" in os.environ:
+        assert torch.get_num_threads() == int(os.environ["OMP_NUM_THREADS"])
