@@ -17,7 +17,7 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # Under make test's pytest-xdist workers, one intra-op thread a process (torch's OpenMP pool, and
 # inductor's kernels with it), read as torch is imported, here and by every command a worker
-# starts. Two workers keep both cores busy with processes of their own (idle 3% of a full run,
+# starts. Two workers keep both cores busy with processes of their own (idle 3 to 4% of a run,
 # counted by vmstat), so a process's second thread only waits at OpenMP's barriers for a core
 # another process holds: measured on 2 cores, four integration files on two workers took 89 s
 # against 103 s. torchrun sets the same for several ranks on one host. The fast tier, one
