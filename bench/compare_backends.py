@@ -110,7 +110,7 @@ def launch(model: str, spec: str, launch_index: int, args: argparse.Namespace, o
         *(sys.executable, "-m", "accel.launch_single_task", *job_flags(model, spec, args)),
         *("--synthetic_length", str(args.batch_size * (args.steps + 1))),
         *("--workers", str(args.workers), "--timing_warmup_steps", str(args.warmup)),
-        *("--log_every", str(args.steps), "--no-eval", "--output", str(out)),
+        *("--log_every", str(args.steps), "--no-eval", "--no-save", "--output", str(out)),
         *("--run_name", run_name),
     ]
     result = subprocess.run(argv, cwd=ROOT)

@@ -348,7 +348,7 @@ def stage_data(smoke: bool, env: dict, budget: Budget, args: argparse.Namespace)
                          "--data_device", where, "--steps", "3" if smoke else "40",
                          "--batch_size", "8" if smoke else "128", "--amp_level",
                          "O0" if smoke else "O1", "--workers", "2" if smoke else "14",
-                         "--mixup", "0.8", "--cutmix", "1.0", "--no-eval"]  # fmt: skip
+                         "--mixup", "0.8", "--cutmix", "1.0", "--no-eval", "--no-save"]  # fmt: skip
                 os.environ.update(env)
                 summary = launch_summary(flags, Path(tmp) / "runs", f"{backend}-{where}")
                 row = {"backend": backend, "data_device": where, "ok": summary is not None}

@@ -34,7 +34,7 @@ def launch(args: argparse.Namespace, out: Path, cache: Path, run: str) -> dict:
         sys.executable, "-m", "accel.launch_single_task", "--backend", "jax",
         "--model", args.model, "--steps", str(args.steps), "--batch_size", str(args.batch_size),
         "--workers", "0", "--output", str(out), "--run_name", run, "--compile_cache", str(cache),
-        "--no-eval",
+        "--no-eval", "--no-save",
     ]  # fmt: skip
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     done = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)

@@ -41,6 +41,7 @@ def launch(args: argparse.Namespace, out: Path, cache: Path, run: str) -> dict:
         "--compile_cache",
         str(cache),
         "--no-eval",
+        "--no-save",
     ]
     subprocess.run(cmd, check=True, cwd=ROOT, capture_output=True, text=True)
     return json.loads((out / args.model / "xla" / run / "summary.json").read_text())

@@ -181,6 +181,13 @@ class RunConfig:
         0, "steps between checkpoints (0: at the end only)", min=0, group=OUTPUT
     )
     keep_checkpoints: int = option(3, "checkpoints kept (0 keeps all)", min=0, group=OUTPUT)
+    save: bool = option(
+        True,
+        "write no checkpoint at the end (a benchmark's run); a stop by a signal or a non-finite "
+        "loss still writes one, to resume from",
+        flag="--no-save",
+        group=OUTPUT,
+    )
     log_every: int = option(10, "steps between loss fetches and log lines", min=1, group=OUTPUT)
     eval: bool = option(True, "skip the final evaluation", flag="--no-eval", group=OUTPUT)
     eval_only: bool = option(
@@ -366,7 +373,7 @@ def check_combinations(cfg: RunConfig) -> None:
 
 
 def check_training_options(cfg: RunConfig) -> None:
-    """Augmentation, fine-tuning and evaluation options that cannot work together."""
+    """Augmentation, fine-tuning, evaluation and checkpoint options that cannot work together."""
     data, model = cfg.data, cfg.model
     for flag, (low, high) in (("--scale", data.scale), ("--ratio", data.ratio)):
         if low > high:
@@ -377,6 +384,8 @@ def check_training_options(cfg: RunConfig) -> None:
         raise ConfigError("give --pretrained or --pretrained_path, not both")
     if cfg.eval_only and not (cfg.resume or model.pretrained or model.pretrained_path):
         raise ConfigError("--eval_only evaluates --resume's checkpoint or --pretrained(_path)")
+    if not cfg.save and cfg.save_every:
+        raise ConfigError(f"--no-save with --save_every {cfg.save_every}: give one or the other")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -299,7 +299,8 @@ class Trainer:
             self.engine.synchronize()
             end = time.perf_counter()
             self.timer.loop_s = end - loop_start
-        self.save()
+        if self.cfg.save or self._halted():  # a stopped run is resumable
+            self.save()
         if self.steps.nonfinite_stop is not None:
             raise NonFiniteLoss(self.steps.nonfinite_stop, self.state.step)
         if self.stopping:

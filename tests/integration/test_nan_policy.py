@@ -113,3 +113,17 @@ def test_stop_saves_a_clean_checkpoint_and_exits_non_zero_naming_the_step(
     assert saved.name == f"step_{step:08d}.pt"  # log_every 1: it stops right after that step
     assert "launch_single_task: error: non-finite loss" in err and "--resume auto" in err
     assert same_state(_state(saved), _before(step, cfg, cfg.run_dir()))
+
+
+def test_no_save_writes_no_checkpoint_but_a_stopped_run_still_does(tmp_path, one_white_image):
+    """--no-save leaves the end's checkpoint out; a stop still writes its own, to resume from."""
+    job = ["--model", nan_model.NAME, "--data", str(one_white_image), "--batch_size", "4",
+           "--epochs", "1", "--workers", "0", "--log_every", "1", "--no-eval", "--no-save",
+           "--run_name", "t"]  # fmt: skip
+    codes, saved = {}, {}
+    for policy in ("skip", "stop"):
+        output = tmp_path / policy
+        codes[policy] = main([*job, "--nan_policy", policy, "--output", str(output)])
+        saved[policy] = [p.suffix for p in output.glob("*/*/t/checkpoints/step_*")]
+    assert codes == {"skip": 0, "stop": EXIT_NONFINITE}
+    assert saved == {"skip": [], "stop": [".pt"]}

@@ -53,10 +53,11 @@ def _drop_checkpoints(output: Path, keep: Path | None = None) -> None:
             shutil.rmtree(saved) if saved.is_dir() else saved.unlink()
 
 
-# Each run saves what it trains (3.6 GB for ViT-L, 4.6 GB for the million-class head), and every
-# save ends in fsync: on this suite's disk, about 25 s of the module's time. Where /dev/shm (memory)
-# has room the runs write there instead, as fast as memory; the folder goes with the module. Its
-# files take memory the runs need too: at most two checkpoints at once, beside 4 ranks' state.
+# A run saves what it trains (3.6 GB for ViT-L, 4.6 GB for the million-class head), unless no
+# test reads its checkpoint (--no-save), and every save ends in fsync: on this suite's disk, about
+# 25 s of the module's time. Where /dev/shm (memory) has room the runs write there instead, as fast
+# as memory; the folder goes with the module. Its files take memory the runs need too: at most two
+# checkpoints at once, beside 4 ranks' state.
 SHM, SHM_NEEDED, MEMORY_NEEDED = Path("/dev/shm"), 12 * 2**30, 16 * 2**30
 
 
@@ -79,11 +80,11 @@ def scratch(tmp_path_factory) -> Iterator[Callable[[str], Path]]:
 @pytest.fixture(scope="module")
 def vitl(scratch) -> dict[str, tuple[Path, dict]]:
     jobs = {"single": ()} | {s: (*PP4, "--pp_schedule", s) for s in SCHEDULES}
-    jobs["1f1b"] += ("--save_every", "1")  # its step-1 checkpoint is resumed below
+    saves = {"1f1b": ("--save_every", "1")}  # its step-1 checkpoint is resumed below; no other's
     runs = {}
     for name, extra in jobs.items():
         output = scratch(f"vitl-{name}")
-        runs[name] = output, _train(output, *VITL, *extra)[0]
+        runs[name] = output, _train(output, *VITL, *extra, *saves.get(name, ("--no-save",)))[0]
         resumed = _checkpoint(output, "vit_large_patch16_224", 1) if name == "1f1b" else None
         _drop_checkpoints(output, keep=resumed)
     return runs
@@ -104,7 +105,7 @@ def test_vit_large_pipeline_resumes_bit_for_bit_within_the_same_memory(vitl, scr
     _, single = vitl["single"]
     resume = ("--resume", str(_checkpoint(output, "vit_large_patch16_224", 1)))
     folder = scratch("vitl-resumed")
-    resumed, _ = _train(folder, *VITL, *PP4, "--pp_schedule", "1f1b", *resume)
+    resumed, _ = _train(folder, *VITL, *PP4, "--pp_schedule", "1f1b", *resume, "--no-save")
     _drop_checkpoints(folder)
     _drop_checkpoints(output)  # the step-1 checkpoint, resumed
     assert resumed["losses"] == piped["losses"]
@@ -126,7 +127,9 @@ def test_a_million_class_head_split_in_two_saves_and_loads_in_under_06_of_its_st
     checkpoint = _checkpoint(folder / "saved", "vit_micro_wide", 1)
     assert checkpoint.is_dir() and saved["state_bytes"]["classifier"] == whole // 2
     assert max(_grown(saved)) <= 0.6 * whole, _grown(saved)
-    loaded, _ = _train(folder / "loaded", *TP, "--steps", "2", "--resume", str(checkpoint))
+    loaded, _ = _train(
+        folder / "loaded", *TP, "--steps", "2", "--resume", str(checkpoint), "--no-save"
+    )
     _drop_checkpoints(folder / "saved")
     _drop_checkpoints(folder / "loaded")
     assert loaded["losses"][0] == saved["losses"][0] and len(loaded["losses"]) == 2

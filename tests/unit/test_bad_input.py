@@ -122,6 +122,7 @@ CASES = [
     (["--model_ema_decay", "1"], {}, ["--model_ema_decay must be < 1"]),
     (["--layer_decay", "1.5"], {}, ["--layer_decay must be <= 1"]),
     (["--eval_only"], {}, ["--eval_only", "--resume"]),
+    (["--no-save", "--save_every", "2"], {}, ["--no-save", "--save_every 2"]),
     (["--pretrained", "--pretrained_path", "w.pt"], {}, ["not both"]),
     (["--pretrained_path", "/nonexistent/w.safetensors"], {}, ["no file", "w.safetensors"]),
     (["--recipe", "resnet_a1"], {}, ["--recipe", "resnet_a1"]),
