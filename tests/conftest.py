@@ -120,6 +120,8 @@ STARTERS = (
     helpers.run_cli_without,
     helpers.nan_rank,
     helpers.train_ranks,
+    helpers.script_ranks,
+    helpers.fork_ranks,
 )
 STARTER_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "nbclient")
 

@@ -143,18 +143,39 @@ def train_ranks(
     imports. Rank 0 speaks for the job, as the launcher does: its summary.json and stdout.
     The launcher's own behaviour (its flags, rendezvous, two nodes, signals) is tested through
     torchrun, with train_cli and run_cli."""
-    import torch.multiprocessing as mp
-
     argv = [*args, "--output", str(output), "--run_name", "r"]
     ranks = int(argv[argv.index("--nproc_per_node") + 1])
+    logs = fork_ranks(ranks, None, argv, Path(output), env, timeout)
+    return read_summary(output), logs[0]
+
+
+def script_ranks(
+    ranks: int, module: str, *args: str, logs: Path, env: dict | None = None, timeout: int = 900
+) -> str:
+    """`torchrun --standalone --nproc_per_node RANKS -m MODULE ARGS` for a user's script whose
+    subject is what it trains, not torchrun: its ranks forked as train_ranks forks
+    launch_single_task's, each running the module as `python -m` would (runpy, __main__, its
+    sys.argv); the ranks' output in LOGS/rank-N.log. Rank 0's output."""
+    return fork_ranks(ranks, module, list(args), logs, env, timeout)[0]
+
+
+def fork_ranks(
+    ranks: int, module: str | None, argv: list[str], logs: Path, env: dict | None, timeout: int
+) -> list[str]:
+    """The ranks of train_ranks (`module` None) and script_ranks, each to its end; each must exit
+    0. Every rank's output."""
+    import torch.multiprocessing as mp
+
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(RANK_PRELOAD)
     port = str(free_port())
-    logs = [Path(output) / f"rank-{rank}.log" for rank in range(ranks)]
-    Path(output).mkdir(parents=True, exist_ok=True)
+    files = [Path(logs) / f"rank-{rank}.log" for rank in range(ranks)]
+    Path(logs).mkdir(parents=True, exist_ok=True)
     processes = [
-        context.Process(target=run_rank, args=(rank, ranks, port, argv, env or {}, str(log)))
-        for rank, log in enumerate(logs)
+        context.Process(
+            target=run_rank, args=(rank, ranks, port, module, argv, env or {}, str(log))
+        )
+        for rank, log in enumerate(files)
     ]
     for process in processes:
         process.start()
@@ -167,14 +188,19 @@ def train_ranks(
                 process.kill()
                 process.join()
     codes = [process.exitcode for process in processes]
-    output_of = [log.read_text() for log in logs]
+    output_of = [log.read_text() for log in files]
     assert codes == [0] * ranks, (codes, [text[-3000:] for text in output_of])
-    return read_summary(output), output_of[0]
+    return output_of
 
 
-def run_rank(rank: int, ranks: int, port: str, argv: list[str], env: dict, log: str) -> None:
-    """One rank of train_ranks, in a process of the fork server's: stdout and stderr to `log`
-    (the file descriptors, so that what torch's C++ prints goes there too)."""
+def run_rank(
+    rank: int, ranks: int, port: str, module: str | None, argv: list[str], env: dict, log: str
+) -> None:
+    """One rank of fork_ranks, in a process of the fork server's: stdout and stderr to `log`
+    (the file descriptors, so that what torch's C++ prints goes there too); launch_single_task's
+    main(argv), or `module` run as `python -m MODULE ARGV` runs it."""
+    import runpy
+
     from accel.cli.launch import main
 
     # As torchrun does for several ranks on one host: one thread each (torch was imported by
@@ -189,7 +215,12 @@ def run_rank(rank: int, ranks: int, port: str, argv: list[str], env: dict, log: 
         os.dup2(out.fileno(), 2)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    code = main(argv)
+    if module is None:
+        code = main(argv)
+    else:
+        sys.argv = [module, *argv]
+        runpy.run_module(module, run_name="__main__", alter_sys=True)
+        code = 0
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)  # multiprocessing makes it the process's exit code

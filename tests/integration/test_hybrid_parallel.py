@@ -16,7 +16,15 @@ import accel
 from accel.config import ConfigError
 from tests import api_tensor_parallel
 from tests.api_tensor_parallel import MlpNet, build
-from tests.helpers import api_loss_fn, as_a_command, run_module, train, train_ranks, xla_flags
+from tests.helpers import (
+    api_loss_fn,
+    as_a_command,
+    run_module,
+    script_ranks,
+    train,
+    train_ranks,
+    xla_flags,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -36,6 +44,11 @@ LAYOUTS = {
     "tp2+head": ("--nproc_per_node", "2", "--tp", "2", "--tp_head", "2"),
     "compile tp2xdp2": (*FOUR, "--tp", "2", "--batch_size", "4", "--backend", "compile"),
 }
+# torch.compile's layout on the 2-block vit_micro: each of its 4 ranks compiles the whole model (a
+# quarter less of each rank's run than at 4 blocks), against the same job in one process.
+TWO_BLOCKS = ("--model", "vit_micro")
+LAYOUTS["compile tp2xdp2"] += TWO_BLOCKS
+REFERENCE = {name: "single" for name in LAYOUTS} | {"compile tp2xdp2": "single, 2 blocks"}
 MESHES = {
     "tp2xdp2": "dp 2 x tp 2 (4 processes)",
     "tp2xpp2": "dp 1 x tp 2 x pp 2 (4 processes)",
@@ -50,6 +63,8 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
     out = {}
     single = tmp_path_factory.mktemp("single")
     out["single"] = (single, *train(single, *JOB))
+    two = tmp_path_factory.mktemp("single-2-blocks")
+    out["single, 2 blocks"] = (two, *train(two, *JOB, *TWO_BLOCKS))
     for name, extra in LAYOUTS.items():
         output = tmp_path_factory.mktemp(name.replace(" ", "-").replace("+", "-"))
         out[name] = (output, *train_ranks(output, *JOB, *extra))
@@ -58,7 +73,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, str]]:
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_each_composition_trains_the_one_process_losses(runs, name):
-    _, single, _ = runs["single"]
+    _, single, _ = runs[REFERENCE[name]]
     _, split, stdout = runs[name]
     assert f"accel: mesh {MESHES[name]}" in stdout
     assert split["global_batch_size"] == single["global_batch_size"] == 8
@@ -97,24 +112,23 @@ def test_tensor_by_pipeline_checkpoint_loads_at_data_4_and_in_one_process(runs, 
 SCRIPT = "tests.api_tensor_parallel"
 
 
-def _script(model: str, out: Path, *launch: str, backend="eager", devices="1", tp="1") -> dict:
-    """The script under `launch` (torchrun's module and its flags); without, its main in this
-    process, with the arguments `python -m` would give it."""
-    module, *args = (*launch, SCRIPT, model, backend, devices, tp, "none", str(out))
-    if not launch:
-        with as_a_command(None, [module, *args]):
+def _script(model: str, out: Path, ranks: int = 1, backend="eager", devices="1", tp="1") -> dict:
+    """The script as `python -m` runs it, in this process; on several ranks, as `torchrun
+    --standalone --nproc_per_node RANKS -m` starts it (helpers.script_ranks: its subject is what
+    the split trains; test_examples.py runs the documented torchrun commands themselves)."""
+    args = (model, backend, devices, tp, "none", str(out))
+    if ranks == 1:
+        with as_a_command(None, [SCRIPT, *args]):
             api_tensor_parallel.main()
     else:
-        done = run_module(module, *args)
-        assert done.returncode == 0, done.stderr[-3000:]
+        script_ranks(ranks, SCRIPT, *args, logs=out / "logs")
     return json.loads((out / "result.json").read_text())
 
 
 @pytest.mark.parametrize("model", ["swin", "own"])
 def test_a_users_model_split_by_tensors_trains_the_one_process_losses(model, tmp_path):
     one = _script(model, tmp_path / "one")
-    torchrun = ("torch.distributed.run", "--standalone", "--nproc_per_node", "4", "-m")
-    split = _script(model, tmp_path / "split", *torchrun, tp="2")
+    split = _script(model, tmp_path / "split", ranks=4, tp="2")
     np.testing.assert_allclose(split["losses"], one["losses"], rtol=1e-5)
     assert split["shapes"] == one["shapes"]  # engine.state_dict: the unsplit model's tensors
     for name, values in one["weights"].items():  # Adam's steps of 1e-2 agree to 1e-4
