@@ -12,9 +12,10 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 
 # The whole suite on two pytest-xdist workers: one at a time, its tests keep 1.1 of 2 cores busy
 # (processes waiting on a rendezvous, on imports, on a compiler's single thread). Each worker
-# takes whole groups (tests/conftest.py: worker_group). The fast tier runs one at a time: its
+# takes whole groups (tests/conftest.py: worker_group), the longest first (LONGEST_FIRST; xdist's
+# own reordering, by the count of a group's tests, off). The fast tier runs one at a time: its
 # in-process compiles share the compilers' in-memory caches, which a second worker would not.
-WORKERS := -n 2
+WORKERS := -n 2 --no-loadscope-reorder
 
 .PHONY: setup demo test test-fast test-latest lint bench plot notebooks convergence gpu-check clean
 

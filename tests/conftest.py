@@ -318,7 +318,7 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=NO_GPU))
         elif "gpu" in item.keywords and jax_on_cpu and _needs_jax(item):
             item.add_marker(pytest.mark.skip(reason=NO_JAX_GPU))
-    items.sort(key=gpu_jax_last)
+    items.sort(key=lambda item: (gpu_jax_last(item), start_order(item)))
 
 
 # --- two workers: `make test` runs the suite on pytest-xdist's `-n 2` ----------------------------
@@ -357,6 +357,35 @@ def pytest_xdist_make_scheduler(config, log):
             return worker_group(nodeid)
 
     return ByWorkerGroup(config, log)
+
+
+# The groups that took a minute or more of a worker in a full run from a fresh clone (its
+# --durations, 2026-11-27), longest first: each worker starts with the longest and the short
+# groups fill in at the end, so that neither ends long after the other (the run before ended with
+# one worker idle for its last 77 s). xdist's own order, by default, puts the groups with the most
+# tests first, and so these last (each holds few tests): `make test` turns it off
+# (--no-loadscope-reorder) for the collection's, which start_order sorts.
+LONGEST_FIRST = (
+    "tests/integration/test_examples.py",
+    "shared_runs",
+    "tests/integration/test_user_models.py",
+    "tests/integration/test_scale.py",
+    "tests/integration/test_amp_matrix.py",
+    "tests/integration/test_gpu_check.py",
+    "tests/integration/test_hybrid_parallel.py",
+    "tests/integration/test_notebooks.py",
+    "tests/integration/test_convergence.py",
+    "tests/integration/test_user_commands.py",
+    "tests/integration/test_api.py",
+    "tests/integration/test_resume.py",
+)
+
+
+def start_order(item) -> int:
+    """Sort key: LONGEST_FIRST's groups in its order, then every other group (stable: in the
+    collection's order)."""
+    group = worker_group(item.nodeid)
+    return LONGEST_FIRST.index(group) if group in LONGEST_FIRST else len(LONGEST_FIRST)
 
 
 def gpu_jax_last(item) -> bool:

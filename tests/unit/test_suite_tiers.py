@@ -228,6 +228,25 @@ def test_a_worker_runs_a_files_tests_the_shared_runs_readers_and_the_unit_tests_
     assert conftest.worker_group("tests/unit/test_amp.py::test_y[O1]") == "tests/unit"
 
 
+def test_the_longest_groups_start_first_in_make_tests_order():
+    """Each worker starts with LONGEST_FIRST's groups, in its order, then the rest as collected;
+    every name there is still a group (a renamed file would lose its place in silence), and make
+    test keeps this order (xdist's own reordering off)."""
+    for group in conftest.LONGEST_FIRST:
+        assert group == "shared_runs" or (ROOT / group).is_file(), group
+
+    class Item:
+        def __init__(self, nodeid: str):
+            self.nodeid = nodeid
+
+    ids = ["tests/unit/test_data.py::t", "tests/integration/test_faults.py::t",
+           "tests/integration/test_resume.py::t", "tests/integration/test_sharded.py::t",
+           "tests/integration/test_examples.py::t"]  # fmt: skip
+    ordered = [i.nodeid for i in sorted(map(Item, ids), key=conftest.start_order)]
+    assert ordered == [ids[4], ids[3], ids[2], ids[0], ids[1]]  # test_sharded: shared_runs
+    assert "--no-loadscope-reorder" in (ROOT / "Makefile").read_text()
+
+
 def test_each_process_of_make_tests_workers_keeps_one_intra_op_thread():
     """Under make test's pytest-xdist workers, conftest sets OMP_NUM_THREADS (1, unless the
     environment says otherwise) before torch's import, for the worker and every command it starts
