@@ -8,6 +8,7 @@ import io
 import json
 import os
 import re
+import runpy
 import socket
 import subprocess
 import sys
@@ -199,8 +200,6 @@ def run_rank(
     """One rank of fork_ranks, in a process of the fork server's: stdout and stderr to `log`
     (the file descriptors, so that what torch's C++ prints goes there too); launch_single_task's
     main(argv), or `module` run as `python -m MODULE ARGV` runs it."""
-    import runpy
-
     from accel.cli.launch import main
 
     # As torchrun does for several ranks on one host: one thread each (torch was imported by
