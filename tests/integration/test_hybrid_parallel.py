@@ -44,8 +44,8 @@ LAYOUTS = {
     "tp2+head": ("--nproc_per_node", "2", "--tp", "2", "--tp_head", "2"),
     "compile tp2xdp2": (*FOUR, "--tp", "2", "--batch_size", "4", "--backend", "compile"),
 }
-# torch.compile's layout on the 2-block vit_micro: each of its 4 ranks compiles the whole model (a
-# quarter less of each rank's run than at 4 blocks), against the same job in one process.
+# torch.compile's layout on the 2-block vit_micro: each of its 4 ranks compiles the whole model,
+# here half the blocks of vit_micro_d4; against the same job in one process.
 TWO_BLOCKS = ("--model", "vit_micro")
 LAYOUTS["compile tp2xdp2"] += TWO_BLOCKS
 REFERENCE = {name: "single" for name in LAYOUTS} | {"compile tp2xdp2": "single, 2 blocks"}
