@@ -122,6 +122,9 @@ STARTERS = (
     helpers.train_ranks,
     helpers.script_ranks,
     helpers.fork_ranks,
+    helpers.fork_module,
+    helpers.train_forked,
+    helpers.fork_processes,
 )
 STARTER_MODULES = ("subprocess", "multiprocessing", "torch.multiprocessing", "nbclient")
 

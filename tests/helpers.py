@@ -127,9 +127,14 @@ def as_a_command(env: dict | None, argv: list[str] | None = None):
         sys.argv = saved_argv
 
 
-# What every rank imports, imported once by the ranks' fork server (see train_ranks); then
+# What every rank imports, imported once by the ranks' fork server (see train_ranks); torch_xla
+# and JAX too where installed, for fork_module's and train_forked's processes (imported, not
+# started: a process forked from the server starts its XLA or JAX with its own environment's
+# flags and device count). Not torchax: it names torch's PrivateUse1 device without registering
+# its hooks, and torch.distributed's barrier in an eager rank then fails. Then
 # tests/rank_server.py freezes what they made.
 RANK_PRELOAD = ["torch", "timm", "accel.cli.launch", "accel.cli.train", "tests.helpers"]
+RANK_PRELOAD += [name for name, found in (("torch_xla", HAS_XLA), ("jax", HAS_JAX)) if found]
 RANK_PRELOAD += ["tests.rank_server"]
 
 
@@ -165,19 +170,66 @@ def fork_ranks(
 ) -> list[str]:
     """The ranks of train_ranks (`module` None) and script_ranks, each to its end; each must exit
     0. Every rank's output."""
+    port = str(free_port())
+    files = [Path(logs) / f"rank-{rank}.log" for rank in range(ranks)]
+    Path(logs).mkdir(parents=True, exist_ok=True)
+    for log in files:
+        log.write_text("")  # each rank appends its stdout and stderr (run_forked)
+    # torchrun's variables, and one thread a rank, as torchrun gives several ranks on one host
+    torchrun = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=str(ranks))
+    torchrun.update(LOCAL_WORLD_SIZE=str(ranks), OMP_NUM_THREADS="1")
+    jobs = [
+        (module, argv, {**(env or {}), **torchrun, "RANK": str(r), "LOCAL_RANK": str(r)}, f, f)
+        for r, f in enumerate(files)
+    ]
+    codes = fork_processes(jobs, timeout)
+    output_of = [log.read_text() for log in files]
+    assert codes == [0] * ranks, (codes, [text[-3000:] for text in output_of])
+    return output_of
+
+
+def fork_module(
+    module: str, *args: str, env: dict | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    """run_module's `python -m MODULE ARGS` for a program whose subject is what it computes, not
+    a fresh interpreter: in a process forked from the suite's fork server (which imported torch,
+    timm, accel, torch_xla and JAX once), with this process's environment and `env`
+    over it, in the project root. The XLA or JAX it starts reads its flags and device count from
+    that environment, as in a fresh interpreter. Its exit code, stdout and stderr."""
+    return _fork_one(module, list(args), env, timeout)
+
+
+def train_forked(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
+    """train_cli's run (one process: its XLA's or JAX's device count and flags its own) in a
+    process forked as fork_module's, launch_single_task's main(argv) in it: its summary.json and
+    stdout."""
+    argv = [*args, "--output", str(output), "--run_name", "r"]
+    done = _fork_one(None, argv, env, 900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return read_summary(output), done.stdout
+
+
+def _fork_one(
+    module: str | None, argv: list[str], env: dict | None, timeout: int
+) -> subprocess.CompletedProcess:
+    folder = Path(tempfile.mkdtemp(prefix="forked-", dir=Command.folder))
+    out, err = folder / "stdout", folder / "stderr"
+    job = (module, argv, {**os.environ, **(env or {})}, out, err)
+    (code,) = fork_processes([job], timeout)
+    python = ["-m", module] if module else ["-m", "accel.launch_single_task"]
+    return subprocess.CompletedProcess(python + argv, code, out.read_text(), err.read_text())
+
+
+def fork_processes(jobs: list[tuple], timeout: int) -> list[int | None]:
+    """Each job (module or None, argv, environment over the server's, stdout file, stderr file)
+    in a process forked from the suite's fork server (torch.multiprocessing's, which imported
+    RANK_PRELOAD once: set_forkserver_preload, made for this), all at once, each to its end or
+    killed at `timeout`: their exit codes."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(RANK_PRELOAD)
-    port = str(free_port())
-    files = [Path(logs) / f"rank-{rank}.log" for rank in range(ranks)]
-    Path(logs).mkdir(parents=True, exist_ok=True)
-    processes = [
-        context.Process(
-            target=run_rank, args=(rank, ranks, port, module, argv, env or {}, str(log))
-        )
-        for rank, log in enumerate(files)
-    ]
+    processes = [context.Process(target=run_forked, args=job) for job in jobs]
     for process in processes:
         process.start()
     try:
@@ -188,30 +240,23 @@ def fork_ranks(
             if process.is_alive():
                 process.kill()
                 process.join()
-    codes = [process.exitcode for process in processes]
-    output_of = [log.read_text() for log in files]
-    assert codes == [0] * ranks, (codes, [text[-3000:] for text in output_of])
-    return output_of
+    return [process.exitcode for process in processes]
 
 
-def run_rank(
-    rank: int, ranks: int, port: str, module: str | None, argv: list[str], env: dict, log: str
-) -> None:
-    """One rank of fork_ranks, in a process of the fork server's: stdout and stderr to `log`
-    (the file descriptors, so that what torch's C++ prints goes there too); launch_single_task's
-    main(argv), or `module` run as `python -m MODULE ARGV` runs it."""
+def run_forked(module: str | None, argv: list[str], env: dict, out: str, err: str) -> None:
+    """One job of fork_processes, in a process of the fork server's: `env` over its environment,
+    stdout and stderr to the files (the file descriptors, so that what C++ prints goes there
+    too), in the project root; launch_single_task's main(argv), or `module` run as
+    `python -m MODULE ARGV` runs it."""
     from accel.cli.launch import main
 
-    # As torchrun does for several ranks on one host: one thread each (torch was imported by
-    # the fork server, before this variable could reach its thread pool).
-    torch.set_num_threads(1)
     os.environ.update(env)
-    os.environ.update(OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank))
-    os.environ.update(WORLD_SIZE=str(ranks), LOCAL_WORLD_SIZE=str(ranks))
-    with open(log, "w") as out:
-        os.dup2(out.fileno(), 1)
-        os.dup2(out.fileno(), 2)
+    if "OMP_NUM_THREADS" in env:  # torch was imported by the server, before this could reach it
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    os.chdir(ROOT)
+    for fd, path in ((1, out), (2, err)):
+        with open(path, "a") as file:
+            os.dup2(file.fileno(), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     if module is None:

@@ -9,14 +9,26 @@ import pytest
 import torch
 
 import accel
-from tests.helpers import HAS_XLA, TWO_HOST_DEVICES, Net, api_loss_fn, run_module, xla_flags
+from tests.helpers import (
+    HAS_XLA,
+    TWO_HOST_DEVICES,
+    Net,
+    api_loss_fn,
+    fork_module,
+    run_module,
+    xla_flags,
+)
 
 pytestmark = pytest.mark.slow
 SCRIPT = "tests.api_replicas"  # a user's script, run as `python -m tests.api_replicas ...`
 
 
 def run(module: str, *args: str, out: Path, env: dict | None = None) -> dict:
-    done = run_module(module, *args, env=env)
+    """`python -m MODULE ARGS`: torchrun in a fresh interpreter (its ranks' claim includes the
+    interpreter's teardown), the script alone in a process forked from the suite's server (its
+    XLA's or JAX's devices its own: helpers.fork_module)."""
+    start = run_module if module == "torch.distributed.run" else fork_module
+    done = start(module, *args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 

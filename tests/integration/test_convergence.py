@@ -11,7 +11,7 @@ import pytest
 
 from accel.cli.data.prepare import prepare_digits
 from bench.convergence import BACKENDS, FLAGS, curves
-from tests.helpers import DEFAULT_XLA, INSTALLED, train, train_cli
+from tests.helpers import DEFAULT_XLA, INSTALLED, train, train_forked
 
 EPOCHS, LR, EAGER_TOP1, DISTANCE = 4, "3e-3", 0.6, 0.1
 
@@ -24,7 +24,8 @@ def runs(tmp_path_factory) -> dict:
     # bench/convergence.py's flags, the images decoded in the training process: the batches
     # its loader workers give (test_user_commands.py), without a fork server and workers to start.
     flags = (*FLAGS, "--data", str(data), "--epochs", str(EPOCHS), "--lr", LR, "--workers", "0")
-    # In this process, but jax in a process of its own with XLA's default code generation: its
+    # In this process, but jax in a process of its own (forked from the suite's server, its JAX
+    # started with the flags given: helpers.train_forked) with XLA's default code generation: its
     # four epochs of steps outweigh the compiles (10 s a run against 26 s at the suite's lowest
     # level, which this process's JAX has already read); torch_xla's run is the other way round
     # (22 s against 26 s), its steps held back by tracing more than by code generation.
@@ -32,7 +33,7 @@ def runs(tmp_path_factory) -> dict:
     for b in backends:
         output = tmp_path_factory.mktemp(b)
         if b == "jax":
-            runs[b] = train_cli(output, *flags, "--backend", b, env=DEFAULT_XLA)[0]
+            runs[b] = train_forked(output, *flags, "--backend", b, env=DEFAULT_XLA)[0]
         else:
             runs[b] = train(output, *flags, "--backend", b)[0]
     return runs

@@ -19,7 +19,7 @@ from tests.api_tensor_parallel import MlpNet, build
 from tests.helpers import (
     api_loss_fn,
     as_a_command,
-    run_module,
+    fork_module,
     script_ranks,
     train,
     train_ranks,
@@ -167,7 +167,7 @@ def test_a_plan_that_cannot_split_is_refused_in_one_line():
 def test_a_checkpoint_of_jax_data_2_by_model_2_loads_on_eager(tmp_path):
     pytest.importorskip("jax", reason="jax is not installed")
     env = {"XLA_FLAGS": xla_flags("--xla_force_host_platform_device_count=4")}
-    done = run_module(SCRIPT, "own", "jax", "4", "2", "none", str(tmp_path), env=env)
+    done = fork_module(SCRIPT, "own", "jax", "4", "2", "none", str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     trained = json.loads((tmp_path / "result.json").read_text())
     fresh, _ = build("own")

@@ -19,9 +19,8 @@ from tests.helpers import (
     TWO_HOST_DEVICES,
     job_backend,
     micro_config,
-    read_summary,
-    run_cli,
     run_cli_without,
+    train_forked,
     xla_flags,
 )
 
@@ -39,31 +38,12 @@ def _train(tmp_path, backend: str, model: str = "vit_micro", **kw) -> dict:
 
 @pytest.mark.parametrize("model", ["vit_micro", "swin_micro"])
 def test_two_forced_host_devices_train_with_mixup_without_recompiles(tmp_path, model):
-    result = run_cli(
-        "--backend",
-        "jax",
-        "--nproc_per_node",
-        "2",
-        "--model",
-        model,
-        "--steps",
-        "12",
-        "--batch_size",
-        "8",
-        "--mixup",
-        "0.8",
-        "--cutmix",
-        "1.0",
-        "--synthetic_length",
-        "100",
-        "--workers",
-        "0",
-        "--output",
-        str(tmp_path),
+    summary, _ = train_forked(  # the devices of a JAX of its own
+        tmp_path, "--backend", "jax", "--nproc_per_node", "2", "--model", model,
+        "--steps", "12", "--batch_size", "8", "--mixup", "0.8", "--cutmix", "1.0",
+        "--synthetic_length", "100", "--workers", "0",
         env={"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES)},
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    summary = read_summary(tmp_path)
+    )  # fmt: skip
     assert summary["devices"] == 2 and summary["world_size"] == 2
     assert summary["global_batch_size"] == 16
     assert summary["compiles_after_warmup"] == 0 and summary["graphs_compiled"] == 1

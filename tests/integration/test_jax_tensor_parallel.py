@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 import accel
-from tests.helpers import run_module, xla_flags
+from tests.helpers import fork_module, xla_flags
 
 pytestmark = pytest.mark.slow  # each run starts a process and compiles its own jax step
 
@@ -139,7 +139,7 @@ def refusals(out: Path) -> None:
 # --- the tests ----------------------------------------------------------------------------------
 def run(tmp_path: Path, *args: str) -> dict:
     env = {"XLA_FLAGS": xla_flags(FOUR_HOST_DEVICES), "JAX_PLATFORMS": "cpu"}
-    done = run_module(SCRIPT, *args, str(tmp_path), env=env)
+    done = fork_module(SCRIPT, *args, str(tmp_path), env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((tmp_path / "result.json").read_text())
 

@@ -21,7 +21,7 @@ from tests.helpers import (
     read_summary,
     run_cli,
     train,
-    train_cli,
+    train_forked,
     xla_flags,
 )
 from tests.shared_runs import SHARD_JOB, TP_JOB
@@ -34,7 +34,9 @@ JOB += ("--synthetic_length", "64", "--num_classes", "10")
 
 
 def _summary(output: Path, *extra: str, env: dict | None = None) -> dict:
-    return train_cli(output, *JOB, *extra, env=env)[0]
+    """A run on a mesh of one process's devices, its XLA's or JAX's own (helpers.train_forked):
+    its summary."""
+    return train_forked(output, *JOB, *extra, env=env)[0]
 
 
 def _checkpoint(output: Path, backend: str, step: int, kind: str = "pt") -> Path:
@@ -52,9 +54,10 @@ def xla_runs(tmp_path_factory) -> dict[str, tuple[Path, dict]]:
     runs = {}
     for name, extra in jobs.items():
         output = tmp_path_factory.mktemp(f"xla{name}")
-        # One device in this process (its XLA has started); a mesh in a process of its own.
-        run = train if name == "1" else train_cli
-        runs[name] = output, run(output, *JOB, "--backend", "xla", *extra)[0]
+        if name == "1":  # one device: in this process, whose XLA has started
+            runs[name] = output, train(output, *JOB, "--backend", "xla", *extra)[0]
+        else:  # a mesh: an XLA of its own
+            runs[name] = output, _summary(output, "--backend", "xla", *extra)
     return runs
 
 

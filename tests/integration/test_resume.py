@@ -17,13 +17,15 @@ from accel.cli.data.prepare import prepare_mock_imagenet
 from accel.cli.train import Trainer
 from tests.helpers import (
     FUSION_EMITTERS,
+    fork_module,
     launch,
     micro_config,
     read_summary,
-    run_cli,
     start_cli,
     train_ranks,
 )
+
+CLI = "accel.launch_single_task"  # `python -m accel.launch_single_task`
 
 JOB = (
     "--model",
@@ -75,9 +77,10 @@ def final_ema(output: Path, backend: str) -> torch.Tensor:
 
 def full_run(output: Path, *args: str, backend: str = "eager", env: dict | None = None) -> tuple:
     """A run to its end: in this process, or with `env` in a process of its own (XLA reads its
-    flags once, as it starts); its losses and final EMA."""
+    flags once, as it starts: forked from the suite's server, helpers.fork_module); its losses
+    and final EMA."""
     argv = (*JOB, "--backend", backend, "--output", str(output), *args)
-    result = launch(*argv) if env is None else run_cli(*argv, env=env)
+    result = launch(*argv) if env is None else fork_module(CLI, *argv, env=env)
     assert result.returncode == 0, result.stderr[-2000:]
     return read_summary(output)["losses"], final_ema(output, backend)
 

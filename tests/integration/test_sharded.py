@@ -30,7 +30,7 @@ from tests.helpers import (
     nan_rank,
     read_summary,
     run_cli,
-    train_cli,
+    train_forked,
     train_ranks,
     xla_flags,
 )
@@ -43,8 +43,8 @@ JOB = SHARD_JOB
 
 def _run(output: Path, *extra: str, env: dict | None = None) -> dict:
     """The job: eager's and compile's ranks from the fork server (train_ranks); jax's devices,
-    counted as its process starts, in a process of their own."""
-    run = train_cli if "jax" in extra else train_ranks
+    counted as its JAX starts, in a process of their own from the same server (train_forked)."""
+    run = train_forked if "jax" in extra else train_ranks
     return run(output, *JOB, *extra, env=env)[0]
 
 

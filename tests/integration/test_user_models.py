@@ -20,8 +20,8 @@ from tests.helpers import (
     HAS_XLA,
     TWO_HOST_DEVICES,
     as_a_command,
-    run_module,
-    train_cli,
+    fork_module,
+    train_forked,
     xla_flags,
 )
 
@@ -289,7 +289,7 @@ def mesh_run(backend: str, tmp_path: Path) -> tuple[dict, list[str]]:
         )  # fmt: skip
     else:
         env["XLA_FLAGS"] = xla_flags(TWO_HOST_DEVICES)
-    done = run_module("tests.mesh_inputs", backend, str(tmp_path), "2", env=env)
+    done = fork_module("tests.mesh_inputs", backend, str(tmp_path), "2", env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "result.json").read_text())
     if backend == "xla":
@@ -328,7 +328,7 @@ def test_host_tensors_on_a_two_device_mesh_are_split_as_the_loaders(tmp_path, ba
 def test_mfu_and_the_world_size_count_the_devices_a_tensor_parallel_step_runs_on(tmp_path, backend):
     """tp 2 on a 2-device mesh is one data replica on two devices: MFU divides by 2."""
     env = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES), "CPU_NUM_DEVICES": "2"}
-    summary, _ = train_cli(
+    summary, _ = train_forked(  # the devices of an XLA or JAX of its own
         tmp_path, "--backend", backend, "--model", "vit_micro", "--nproc_per_node", "2",
         "--tp", "2", "--steps", "4", "--batch_size", "8", "--workers", "0",
         "--peak_tflops", "1", env=env,

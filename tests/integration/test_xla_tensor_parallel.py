@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 import accel
-from tests.helpers import launch, run_module
+from tests.helpers import fork_module, launch
 
 pytestmark = [pytest.mark.slow, pytest.mark.xla]
 
@@ -151,7 +151,7 @@ def start(kind: str, devices: int, tp: int, out: Path) -> dict:
         run(kind, devices, tp, out)
     else:
         env = {"CPU_NUM_DEVICES": str(devices), "PJRT_DEVICE": "CPU"}
-        done = run_module(MODULE, kind, str(devices), str(tp), str(out), env=env)
+        done = fork_module(MODULE, kind, str(devices), str(tp), str(out), env=env)
         assert done.returncode == 0, done.stderr[-3000:]
     return json.loads((out / "result.json").read_text())
 
