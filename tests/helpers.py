@@ -127,6 +127,8 @@ def as_a_command(env: dict | None, argv: list[str] | None = None):
         sys.argv = saved_argv
 
 
+CLI = "accel.launch_single_task"  # the command line: `python -m accel.launch_single_task`
+
 # What every rank imports, imported once by the ranks' fork server (see train_ranks); torch_xla
 # and JAX too where installed, for fork_module's and train_forked's processes (imported, not
 # started: a process forked from the server starts its XLA or JAX with its own environment's
@@ -196,28 +198,21 @@ def fork_module(
     timm, accel, torch_xla and JAX once), with this process's environment and `env`
     over it, in the project root. The XLA or JAX it starts reads its flags and device count from
     that environment, as in a fresh interpreter. Its exit code, stdout and stderr."""
-    return _fork_one(module, list(args), env, timeout)
+    folder = Path(tempfile.mkdtemp(prefix="forked-", dir=Command.folder))
+    out, err = folder / "stdout", folder / "stderr"
+    job = (module, list(args), {**os.environ, **(env or {})}, out, err)
+    (code,) = fork_processes([job], timeout)
+    stdout, stderr = out.read_text(), err.read_text()
+    return subprocess.CompletedProcess(["-m", module, *args], code, stdout, stderr)
 
 
 def train_forked(output: Path, *args: str, env: dict | None = None) -> tuple[dict, str]:
-    """train_cli's run (one process: its XLA's or JAX's device count and flags its own) in a
-    process forked as fork_module's, launch_single_task's main(argv) in it: its summary.json and
-    stdout."""
-    argv = [*args, "--output", str(output), "--run_name", "r"]
-    done = _fork_one(None, argv, env, 900)
+    """train_cli's run (one process: its XLA's or JAX's device count and flags its own) as
+    fork_module's `python -m accel.launch_single_task`: its summary.json and stdout."""
+    argv = (*args, "--output", str(output), "--run_name", "r")
+    done = fork_module(CLI, *argv, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return read_summary(output), done.stdout
-
-
-def _fork_one(
-    module: str | None, argv: list[str], env: dict | None, timeout: int
-) -> subprocess.CompletedProcess:
-    folder = Path(tempfile.mkdtemp(prefix="forked-", dir=Command.folder))
-    out, err = folder / "stdout", folder / "stderr"
-    job = (module, argv, {**os.environ, **(env or {})}, out, err)
-    (code,) = fork_processes([job], timeout)
-    python = ["-m", module] if module else ["-m", "accel.launch_single_task"]
-    return subprocess.CompletedProcess(python + argv, code, out.read_text(), err.read_text())
 
 
 def fork_processes(jobs: list[tuple], timeout: int) -> list[int | None]:
@@ -296,7 +291,7 @@ class Command:
         script: str | None = None,
         cwd: Path = ROOT,
         new_session: bool = False,
-        module: str = "accel.launch_single_task",
+        module: str = CLI,
     ):
         python = [script, *argv] if script else ["-m", module, *argv]
         Command.count += 1

@@ -16,6 +16,7 @@ from accel.cli.data.config import DataConfig
 from accel.cli.data.prepare import prepare_mock_imagenet
 from accel.cli.train import Trainer
 from tests.helpers import (
+    CLI,
     FUSION_EMITTERS,
     fork_module,
     launch,
@@ -24,8 +25,6 @@ from tests.helpers import (
     start_cli,
     train_ranks,
 )
-
-CLI = "accel.launch_single_task"  # `python -m accel.launch_single_task`
 
 JOB = (
     "--model",
