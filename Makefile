@@ -17,7 +17,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 # in-process compiles share the compilers' in-memory caches, which a second worker would not.
 WORKERS := -n 2 --no-loadscope-reorder
 
-.PHONY: setup demo test test-fast test-latest lint bench plot notebooks convergence gpu-check clean
+.PHONY: setup demo test test-fast test-stress test-latest lint bench plot notebooks convergence gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,13 @@ test: setup
 test-fast: setup
 	PJRT_DEVICE=CPU JAX_PLATFORMS=cpu ACCEL_REQUIRE_XLA=1 ACCEL_REQUIRE_JAX=1 $(BIN)/pytest -q --durations=10 \
 		-m "not slow and not gpu" tests
+
+# Every multi-process test file, ROUNDS times in a row on make test's two workers, each failure
+# reported with its output (tests/stress.py): the proof that the suite does not fail by chance.
+# Not part of CI; ten rounds take about an hour and a half on a 2-core machine.
+ROUNDS ?= 10
+test-stress: setup
+	$(BIN)/python -m tests.stress --rounds $(ROUNDS) --out .stress
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last
 # release pairs only with torch 2.9): the suite with the xla tests skipped. Not part of CI.
@@ -93,4 +100,4 @@ gpu-check: setup
 	$(BIN)/python bench/gpu_check.py --smoke
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(DEMO) runs
+	rm -rf $(VENV) $(LATEST) $(DEMO) .stress runs

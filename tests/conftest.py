@@ -88,6 +88,7 @@ from PIL import Image  # noqa: E402
 
 from accel.cli.data.prepare import prepare_mock_imagenet  # noqa: E402
 from tests import helpers  # noqa: E402
+from tests.forking import own_fork_refusal  # noqa: E402
 
 pytest_plugins = ["tests.shared_runs"]
 
@@ -225,6 +226,21 @@ def _refuse_processes_of_fast_tests(event: str, args: tuple) -> None:
 
 
 sys.addaudithook(_refuse_processes_of_fast_tests)
+
+
+def _refuse_forks_of_threaded_processes(event: str, args: tuple) -> None:
+    """An audit hook: os.fork() (multiprocessing's fork start method, a library's own fork)
+    raises, naming the threads, in a suite process that runs threads (every worker does: its XLA
+    runtime started at collection). A forked copy of a threaded process can deadlock or abort
+    in malloc (tests/forking.py); the suite forks from its fork server, and commands start as
+    fresh interpreters (subprocess's fork and exec raise no os.fork event)."""
+    if event == "os.fork":
+        refused = own_fork_refusal()
+        if refused:
+            raise RuntimeError(refused)
+
+
+sys.addaudithook(_refuse_forks_of_threaded_processes)
 
 
 def _guarded(item):

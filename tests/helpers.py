@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import importlib.util
 import io
 import json
@@ -25,6 +26,7 @@ from accel.backends.host_reads import HOST_READS
 from accel.cli.config import RunConfig, leaf_fields, replace_path
 from accel.cli.data.config import DataConfig
 from accel.cli.models.factory import ModelConfig
+from tests.forking import EXIT_UNSAFE_FORK, check_parent
 
 ROOT = Path(__file__).resolve().parents[1]
 HAS_XLA = importlib.util.find_spec("torch_xla") is not None
@@ -129,15 +131,10 @@ def as_a_command(env: dict | None, argv: list[str] | None = None):
 
 CLI = "accel.launch_single_task"  # the command line: `python -m accel.launch_single_task`
 
-# What every rank imports, imported once by the ranks' fork server (see train_ranks); torch_xla
-# and JAX too where installed, for fork_module's and train_forked's processes (imported, not
-# started: a process forked from the server starts its XLA or JAX with its own environment's
-# flags and device count). Not torchax: it names torch's PrivateUse1 device without registering
-# its hooks, and torch.distributed's barrier in an eager rank then fails. Then
-# tests/rank_server.py freezes what they made.
-RANK_PRELOAD = ["torch", "timm", "accel.cli.launch", "accel.cli.train", "tests.helpers"]
-RANK_PRELOAD += [name for name, found in (("torch_xla", HAS_XLA), ("jax", HAS_JAX)) if found]
-RANK_PRELOAD += ["tests.rank_server"]
+# The ranks' fork server imports tests/rank_server.py alone, which imports what every forked
+# process needs (torch, timm, accel's command line, these helpers) and checks that none of it
+# started a thread: the server forks without exec (tests/forking.py).
+RANK_PRELOAD = ["tests.rank_server"]
 
 
 def train_ranks(
@@ -195,9 +192,10 @@ def fork_module(
 ) -> subprocess.CompletedProcess:
     """run_module's `python -m MODULE ARGS` for a program whose subject is what it computes, not
     a fresh interpreter: in a process forked from the suite's fork server (which imported torch,
-    timm, accel, torch_xla and JAX once), with this process's environment and `env`
-    over it, in the project root. The XLA or JAX it starts reads its flags and device count from
-    that environment, as in a fresh interpreter. Its exit code, stdout and stderr."""
+    timm and accel once), with this process's environment and `env` over it, in the project
+    root. The torch_xla or JAX it runs it imports and starts itself, reading its flags and
+    device count from that environment, as a fresh interpreter does. Its exit code, stdout and
+    stderr."""
     folder = Path(tempfile.mkdtemp(prefix="forked-", dir=Command.folder))
     out, err = folder / "stdout", folder / "stderr"
     job = (module, list(args), {**os.environ, **(env or {})}, out, err)
@@ -218,8 +216,9 @@ def train_forked(output: Path, *args: str, env: dict | None = None) -> tuple[dic
 def fork_processes(jobs: list[tuple], timeout: int) -> list[int | None]:
     """Each job (module or None, argv, environment over the server's, stdout file, stderr file)
     in a process forked from the suite's fork server (torch.multiprocessing's, which imported
-    RANK_PRELOAD once: set_forkserver_preload, made for this), all at once, each to its end or
-    killed at `timeout`: their exit codes."""
+    RANK_PRELOAD once: set_forkserver_preload, made for this; one that runs no thread as it
+    forks, tests/rank_server.py), all at once, each to its end or killed at `timeout`: their
+    exit codes."""
     import torch.multiprocessing as mp
 
     context = mp.get_context("forkserver")
@@ -241,19 +240,27 @@ def fork_processes(jobs: list[tuple], timeout: int) -> list[int | None]:
 def run_forked(module: str | None, argv: list[str], env: dict, out: str, err: str) -> None:
     """One job of fork_processes, in a process of the fork server's: `env` over its environment,
     stdout and stderr to the files (the file descriptors, so that what C++ prints goes there
-    too), in the project root; launch_single_task's main(argv), or `module` run as
-    `python -m MODULE ARGV` runs it."""
+    too, and faulthandler's stacks of every thread where the process crashes), in the project
+    root; launch_single_task's main(argv), or `module` run as `python -m MODULE ARGV` runs it.
+    Where the server ran threads as it forked, or an import of its started one, the process
+    refuses to run (exit EXIT_UNSAFE_FORK), saying so."""
     from accel.cli.launch import main
 
-    os.environ.update(env)
-    if "OMP_NUM_THREADS" in env:  # torch was imported by the server, before this could reach it
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-    os.chdir(ROOT)
     for fd, path in ((1, out), (2, err)):
         with open(path, "a") as file:
             os.dup2(file.fileno(), fd)
     sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (the process's own)
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    server = sys.modules.get("tests.rank_server")
+    refused = check_parent(getattr(server, "REFUSED", ""))
+    if refused or getattr(server, "REFUSED", ""):
+        print(refused or f"refusing to run: {server.REFUSED}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_UNSAFE_FORK)
+    faulthandler.enable(all_threads=True)
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:  # torch was imported by the server, before this could reach it
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+    os.chdir(ROOT)
     if module is None:
         code = main(argv)
     else:

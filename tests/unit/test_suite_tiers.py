@@ -5,16 +5,19 @@ they are, and the suite itself naming no private attribute of the libraries it r
 from __future__ import annotations
 
 import ast
+import contextlib
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import types
 from pathlib import Path
 
 import pytest
 
-from tests import conftest, helpers
+from tests import conftest, forking, helpers
 from tests.conftest import starts_ours, starts_processes
 from tests.helpers import ROOT, micro_config, run_cli, start_cli, train
 
@@ -66,6 +69,64 @@ def test_the_command_line_exits_with_its_code_and_a_killed_one_with_the_signal(t
     running = start_cli("--steps", "100000", "--workers", "0", "--output", str(tmp_path))
     running.send_signal(signal.SIGKILL)
     assert running.wait(timeout=60) == -signal.SIGKILL
+
+
+# --- no fork of a threaded process ----------------------------------------------------------
+@contextlib.contextmanager
+def a_thread_running():
+    """A Python thread running `waits_for_the_test` while the block runs."""
+    started, stop = threading.Event(), threading.Event()
+
+    def waits_for_the_test():
+        started.set()
+        stop.wait(60)
+
+    thread = threading.Thread(target=waits_for_the_test)
+    thread.start()
+    started.wait(60)
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def test_a_fork_of_a_suite_process_running_threads_is_refused_naming_them():
+    with a_thread_running(), pytest.raises(RuntimeError, match=r"refusing to fork") as no:
+        if os.fork() == 0:  # the audit hook let it through: the copy ends at once
+            os.kill(os.getpid(), signal.SIGKILL)
+    assert "this process" in str(no.value) and "threads" in str(no.value)
+    assert "waits_for_the_test" in str(no.value)  # the Python thread, by its function
+
+
+def test_the_threads_of_a_process_are_read_from_the_kernel():
+    before = forking.thread_names()
+    with a_thread_running():
+        assert len(forking.thread_names()) == len(before) + 1
+    assert forking.fork_refusal(["python"], "x") is None
+    assert "runs 2 threads (python, gloo)" in str(forking.fork_refusal(["python", "gloo"], "x"))
+
+
+@pytest.mark.slow
+def test_the_ranks_fork_server_runs_one_thread_and_no_runtime():
+    """What a process forked from the server sees of it: one thread (so the fork was safe),
+    and neither torch_xla nor JAX imported (each forked run starts its own)."""
+    done = helpers.fork_module("tests.forking")
+    assert done.returncode == 0, done.stderr[-2000:]
+    seen = json.loads(done.stdout)
+    assert seen == {"parent_threads": ["python"], "runtimes_imported": []}
+
+
+@pytest.mark.slow
+def test_a_process_forked_from_a_threaded_one_refuses_to_run():
+    """The check a forked process makes of its parent, in a process whose parent (this test's,
+    running threads) would be unsafe to fork from."""
+    code = "from tests.forking import check_parent; print(check_parent())"
+    with a_thread_running():
+        result = subprocess.run(
+            [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60
+        )
+    assert f"refusing to fork pid {os.getpid()}, which runs" in result.stdout, result.stderr
 
 
 # --- no private names ---------------------------------------------------------------------
