@@ -52,6 +52,12 @@ def processes_joining() -> int:
     return max(int(_rank_env("WORLD_SIZE") or 1), int(os.environ.get("JAX_NUM_PROCESSES") or 1))
 
 
+def process_index() -> int:
+    """This process's place among those its launcher started, from their variables: torchrun's
+    or srun's rank, else the JAX_PROCESS_ID jax's hosts join by (0: alone)."""
+    return int(_rank_env("RANK") or os.environ.get("JAX_PROCESS_ID") or 0)
+
+
 def env_context() -> DistContext:
     return DistContext(
         int(_rank_env("RANK") or 0),
@@ -141,3 +147,19 @@ def first_difference(mine: dict[str, Any]) -> str | None:
             if first.get(key) != theirs.get(key):
                 return f"{key} (rank 0: {first.get(key)}, rank {rank}: {theirs.get(key)})"
     return None
+
+
+def broadcast_bytes(data: bytes) -> bytes:
+    """Rank 0's `data` on every rank (`data` itself without a process group): its length, then
+    its bytes, through two broadcasts. torch.distributed's broadcast_object_list would do it
+    by pickling, and a rank never unpickles what another process sent."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return data
+    device = collective_device()
+    length = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(length, src=0)
+    payload = torch.zeros(int(length.item()), dtype=torch.uint8, device=device)
+    if dist.get_rank() == 0:
+        payload.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    dist.broadcast(payload, src=0)
+    return bytes(payload.cpu().tolist())

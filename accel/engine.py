@@ -23,6 +23,7 @@ line's Trainer drives the same backends through the same calls.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
@@ -81,6 +82,8 @@ class Engine:
     >>> handle = engine.step(torch.randn(8, 4), torch.randint(0, 2, (8,)))
     >>> engine.fetch([handle])[0].applied
     True
+    >>> engine.broadcast({"run": "run-1"})  # rank 0's value, on every rank
+    {'run': 'run-1'}
     """
 
     def __init__(
@@ -94,11 +97,10 @@ class Engine:
         max_recompiles: int = -1,
         model_given: nn.Module | None = None,
     ):
-        """Made by `prepare` (not public). `rates`: the learning rate(s) of an optimizer step,
-        by the steps done before it. `ema`: the EMA decay (0: none), or a function of the steps
-        done, this one included. `state`: the loop state checkpoints carry (`state.step`).
-        `max_recompiles`: graphs compiled after warm-up before a step stops (-1: any).
-        `model_given`: the model prepare was handed."""
+        """Made by `prepare` (not public). `rates`: the learning rate(s) of a step, by the steps
+        done before it; `ema`: the EMA decay (0: none) or a function of the steps done, this one
+        included; `state`: the loop state checkpoints carry; `max_recompiles`: graphs compiled
+        after warm-up before a step stops (-1: any); `model_given`: the model prepare had."""
         self.runner, self._ctx, self.rates = backend, ctx, rates
         self.accum, self.ema = accum, ema
         self.state = StepCount() if state is None else state
@@ -168,8 +170,7 @@ class Engine:
 
     @property
     def sharded_checkpoint(self) -> bool:
-        """Whether `save` writes a folder each rank writes its own part to (DCP), rather than
-        one file from rank 0."""
+        """Whether `save` writes a folder of each rank's part (DCP), not one file from rank 0."""
         return self.runner.sharded_checkpoint
 
     def loader(self, batches: Iterable[Sequence[torch.Tensor]]) -> Iterator[tuple]:
@@ -212,10 +213,9 @@ class Engine:
         return handle
 
     def lowered_step(self, *batch: Any) -> Any:
-        """The whole training step (forward, loss, backward, update) lowered for a batch of
-        these shapes and dtypes, and run nowhere, on a backend that compiles it as one program:
-        jax's `jax.stages.Lowered` (`.as_text()` its StableHLO, `.compile().cost_analysis()`).
-        Nothing trains. The other backends refuse in one line."""
+        """The whole training step lowered for a batch of these shapes and dtypes and run
+        nowhere (nothing trains), where one program compiles it: jax's `jax.stages.Lowered`
+        (`.as_text()`, `.compile().cost_analysis()`). The others refuse in one line."""
         batch = checked_batch(batch)
         try:
             return self.runner.lowered_step(self.micro_batches(batch), self.rates(self.state.step))
@@ -320,9 +320,13 @@ class Engine:
         return model
 
     def any_rank(self, flag: bool) -> bool:
-        """Whether `flag` is set on any rank; every rank gets the same answer (a collective:
-        call it on every rank)."""
+        """Whether `flag` is set on any rank, the same answer on every rank (a collective)."""
         return self.runner.any_rank(flag)
+
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's `value` (anything JSON writes: a run folder's name) on every rank, sent as
+        JSON, never pickled; a collective, as `any_rank` (example: the class's)."""
+        return json.loads(self.runner.broadcast_bytes(json.dumps(value).encode()))
 
     # --- timing and accounting ------------------------------------------------------------------
     def synchronize(self) -> None:
@@ -330,26 +334,25 @@ class Engine:
         self.runner.synchronize()
 
     def mark_warmup_done(self) -> None:
-        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles, and a
-        step past CompilerConfig's `max_recompiles` of them raises RecompileError."""
+        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles; past
+        CompilerConfig's `max_recompiles` of them a step raises RecompileError."""
         self.compiled_at_warmup = self.runner.step_compiles()
 
     def compiles_after_warmup(self) -> int:
-        """Graphs of the step compiled since `mark_warmup_done` (0 before it). At least 0: a
-        step rebuilt apart (jax's, on XLA's attention where cuDNN refused) counts afresh."""
+        """Graphs of the step compiled since `mark_warmup_done` (0 before it; at least 0: jax's
+        step rebuilt on XLA's attention where cuDNN refused counts afresh)."""
         at = self.compiled_at_warmup
         return 0 if at is None else max(0, self.runner.step_compiles() - at)
 
     def stats(self) -> BackendStats:
-        """What the backend tells of the run so far: graphs compiled (and after warm-up), compile
-        time, persistent-cache hits, ops run off the compiler, the training state a rank holds,
-        the device's peak memory."""
+        """What the backend tells of the run so far: graphs compiled (after warm-up too), compile
+        time, cache hits, ops off the compiler, the state a rank holds, the peak memory."""
         return replace(self.runner.stats(), compiles_after_warmup=self.compiles_after_warmup())
 
     # --- checkpoints: the command line's format, tensors only ------------------------------------
     def checkpoint_parts(self) -> CheckpointParts:
-        """What save and load write and read: the backend's tensors, the loop state (the API's:
-        the step count alone) and the random states."""
+        """What save and load write and read: the backend's tensors, the loop state (the step
+        count) and the random states."""
         return CheckpointParts(BackendTensors(self.runner), self.state, RandomStates(self.runner))
 
     def save(
@@ -358,14 +361,13 @@ class Engine:
         extra: dict[str, Any] | None = None,
         meta: dict[str, Any] | None = None,
     ) -> Path:
-        """Weights, optimizer state (by parameter name), EMA, the loop state and random states,
-        in the command line's format: it loads on any backend and layout, and the command line
-        resumes from it. Call it on every rank; it returns once the checkpoint is whole on
-        disk. One file written by rank 0, atomically; where `sharded_checkpoint`, a folder
-        (torch.distributed.checkpoint) each rank writes its shards to, so no rank ever holds the
-        whole state. `extra`: your script's own small state (epoch, best accuracy, a scheduler's
-        state_dict(): numbers, strings, lists, dicts, tensors), which `load` returns. `meta`:
-        values kept beside them, read back by accel.checkpoint.read_meta."""
+        """Weights, optimizer state (by parameter name), EMA, loop and random states in the
+        command line's format, loadable on any backend and layout. Call it on every rank; it
+        returns once the checkpoint is whole on disk: one file from rank 0, atomically, or where
+        `sharded_checkpoint` a folder (torch.distributed.checkpoint) of each rank's shards.
+        `extra`: your script's small state (epoch, best accuracy, a scheduler's state_dict():
+        numbers, strings, lists, dicts, tensors), which `load` returns. `meta`: values kept
+        beside them (accel.checkpoint.read_meta)."""
         path = Path(path)
         meta = {**(meta or {}), "world_size": self.replicas}
         rates = self.rates.saved() if isinstance(self.rates, LearningRates) else None
@@ -379,13 +381,11 @@ class Engine:
         return path
 
     def load(self, path: str | Path, rng: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint written by `save` or by the command line (any backend, any layout),
-        without unpickling anything but tensors; returns the `extra` it was saved with ({}
-        where none). `rng`: restore the random generators too (default: where the saved run
-        had as many replicas, so their streams carry on). The optimizer given to `prepare`
-        takes back the learning rates its groups had when saved (a scheduler restored from
-        `extra` goes on from them); a scheduler given as `schedule` is stepped to the saved
-        step."""
+        """Load a checkpoint of `save` or the command line (any backend and layout), unpickling
+        nothing but tensors; returns its `extra` ({} where none). `rng`: restore the random
+        generators too (default: where the saved run had as many replicas). The optimizer given
+        to `prepare` takes back its groups' saved rates (a scheduler restored from `extra` goes
+        on from them); a scheduler given as `schedule` is stepped to the saved step."""
         path = Path(path)
         meta = read_meta(path)
         if rng is None:

@@ -319,6 +319,9 @@ class Backend(Protocol):
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank (every rank gets the same answer)."""
 
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's `data` on every rank (a collective: every rank calls it)."""
+
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""
 

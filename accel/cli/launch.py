@@ -35,9 +35,9 @@ from accel.cli.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
 from accel.config import ConfigError  # noqa: E402
 from accel.distributed import (  # noqa: E402
     destroy_process_group,
-    env_context,
     first_difference,
     launched_by_torchrun,
+    process_index,
 )
 from accel.workers.lifetime import exit_with_parent  # noqa: E402
 
@@ -156,17 +156,18 @@ def same_everywhere(cfg: RunConfig) -> None:
         raise ConfigError(f"the ranks were started with different options: {difference}")
 
 
-def train_here(cfg: RunConfig) -> None:
+def train_here(cfg: RunConfig) -> RunConfig:
     """Train in this process. `accel.prepare`, called as the Trainer builds its engine, joins
     the process to its peers (the process group, xla's runtime, jax.distributed): the command
-    line reads its place from the engine. The options prepare does not take are compared across
-    the ranks once it has."""
+    line reads its place from the engine, and takes rank 0's run folder. The options prepare
+    does not take are compared across the ranks once it has. The config the run trained."""
     from accel.cli.train import Trainer
 
     try:
         trainer = Trainer(cfg, START)
-        same_everywhere(cfg)
+        same_everywhere(trainer.cfg)
         trainer.train()
+        return trainer.cfg
     finally:
         destroy_process_group()
 
@@ -184,9 +185,10 @@ def settled(cfg: RunConfig) -> tuple[RunConfig, BackendModule, list[str]]:
 
 def join_processes(cfg: RunConfig) -> None:
     """--nnodes for a backend whose replicas are devices (jax): its processes, one a host, meet
-    at the coordinator the JAX_* variables name, set here from the rendezvous options."""
+    at the coordinator the JAX_* variables name, set here from the rendezvous options where the
+    user has not set them."""
     par = cfg.parallel
-    if par.nnodes > 1:
+    if par.nnodes > 1 and not os.environ.get("JAX_COORDINATOR_ADDRESS"):  # set by the user
         address = par.rdzv_endpoint or f"{par.master_addr}:{par.master_port}"
         os.environ["JAX_COORDINATOR_ADDRESS"] = address
         os.environ["JAX_NUM_PROCESSES"] = str(par.nnodes)
@@ -212,8 +214,9 @@ def run(argv: list[str]) -> int:
     processes = module.SUPPORTS.replicas == "processes"
     if not processes:
         join_processes(cfg)
-    # The first rank of the first node speaks (the rank torchrun or srun gave this process).
-    speaks = env_context().is_main and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
+    # The first process of the first node speaks (the rank torchrun or srun gave this process,
+    # or its JAX_PROCESS_ID).
+    speaks = process_index() == 0 and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
     for note in notes if speaks else ():
         print(f"accel: {note}", flush=True)
     several = cfg.parallel.nproc_per_node > 1 or cfg.parallel.nnodes > 1
@@ -222,7 +225,7 @@ def run(argv: list[str]) -> int:
         if code:
             return code
     else:
-        train_here(cfg)
+        cfg = train_here(cfg)
     if speaks:
         print(f"accel: {outcome(cfg)}; summary in {cfg.run_dir() / 'summary.json'}")
     return 0

@@ -192,12 +192,24 @@ def check_output(cfg: RunConfig) -> None:
             return
 
 
+def jax_hosts(cfg: RunConfig, env: dict[str, str]) -> RunConfig:
+    """jax processes started through their JAX_* variables (docs/parallelism.md) are the nodes
+    of one job, as with --nnodes: the global batch, the checkpoints' and the summary's, counts
+    every process's share."""
+    processes = int(env.get("JAX_NUM_PROCESSES") or 1)
+    if cfg.backend != "jax" or cfg.parallel.nnodes > 1 or processes < 2:
+        return cfg
+    place = int(env.get("JAX_PROCESS_ID") or 0)
+    parallel = dataclasses.replace(cfg.parallel, nnodes=processes, node_rank=place)
+    return dataclasses.replace(cfg, parallel=parallel)
+
+
 def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModule, list[str]]:
     """The checked, settled config, its backend's module, and what to tell the user of it."""
     validate(cfg)
     check_augment(cfg.data)
     backend, why = resolve_backend(cfg.backend, env)
-    cfg = dataclasses.replace(cfg, backend=backend)
+    cfg = jax_hosts(dataclasses.replace(cfg, backend=backend), env)
     notes = [f"backend {backend} ({why})"]
     module = check_supported(backend_config(cfg))
     # --data_device gpu hands the backend batches decoded on the CUDA device.

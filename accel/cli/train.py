@@ -234,6 +234,9 @@ class Trainer:
         # the loader is) and EMA decay; the engine counts its steps in self.state.
         with timer.phase("setup"):
             self.engine = build_engine(cfg, lambda step: self.schedule(step), self.state)
+        # One run folder for the job: each process named its own where no --run_name was given
+        # (a timestamp, or the latest to resume), and the processes take rank 0's.
+        self.cfg = cfg = dataclasses.replace(cfg, run_name=self.engine.broadcast(cfg.run_name))
         with timer.phase("loader"):
             self.data = TrainData.build(cfg, self.engine, input_size(cfg.model)[-1])
         self.total_steps = self.data.total_steps

@@ -191,12 +191,29 @@ def test_nodes_started_with_different_options_are_refused_naming_the_key(tmp_pat
 
 
 # --- jax: several processes, one mesh -----------------------------------------------------------
+def _jax_process(output: Path, port: int, process: int, *job: str) -> Command:
+    """One of two jax processes started as docs/parallelism.md shows: the coordinator and this
+    process's place in JAX_* variables, no --run_name."""
+    env = {"JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2"}
+    env["JAX_PROCESS_ID"] = str(process)
+    return Command([*JOB, *job, "--output", str(output)], env)
+
+
 def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_devices(
     tmp_path, free_port
 ):
+    """Each process names no run folder: they write into process 0's, one summary, one set of
+    checkpoints, and both exit 0."""
     jax = ("--backend", "jax", "--batch_size", "4")
-    finished = _finish(_nodes(tmp_path / "two", free_port(), *jax))
-    assert all(code == 0 for code, _ in finished), finished[0][1][-2000:]
+    port = free_port()
+    finished = _finish([_jax_process(tmp_path / "two", port, p, *jax) for p in range(2)])
+    assert [code for code, _ in finished] == [0, 0], [err[-2000:] for _, err in finished]
+    runs = list((tmp_path / "two" / "vit_micro" / "jax").iterdir())
+    assert len(runs) == 1, runs
+    assert sorted(p.name for p in runs[0].glob("metrics*.jsonl")) == [
+        "metrics.jsonl",
+        "metrics.rank1.jsonl",
+    ]
     devices = {"XLA_FLAGS": xla_flags(TWO_HOST_DEVICES)}
     one = _summary(tmp_path / "one", *jax, "--nproc_per_node", "2", env=devices)
     two = read_summary(tmp_path / "two")
@@ -204,7 +221,7 @@ def test_jax_over_two_processes_trains_the_losses_of_one_process_with_two_device
     np.testing.assert_allclose(two["losses"], one["losses"], rtol=1e-5)
     np.testing.assert_allclose(two["eval_loss"], one["eval_loss"], rtol=1e-5)
     # Written once, by process 0; it resumes at the other layout.
-    saved = sorted((tmp_path / "two" / "vit_micro" / "jax" / "r" / "checkpoints").iterdir())
+    saved = sorted((runs[0] / "checkpoints").iterdir())
     assert [p.name for p in saved] == [f"step_{s:08d}.pt" for s in (2, 4, 6)]
     resume = ("--resume", str(saved[0]))
     again = _summary(tmp_path / "again", *jax, "--nproc_per_node", "2", *resume, env=devices)

@@ -98,6 +98,7 @@ class JaxBackend(BackendBase):
     # --- what its parts do ---------------------------------------------------------------------
     device_batches = Forwarded("runtime")
     any_rank = Forwarded("runtime")
+    broadcast_bytes = Forwarded("runtime")
     fetch_results = Forwarded("step")
     step_compiles = Forwarded("step", "compiled")
     evaluate_sums = Forwarded("evaluation", "sums")

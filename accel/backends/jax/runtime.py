@@ -207,6 +207,19 @@ class Runtime:
 
         return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Process 0's bytes on every process: its length, then its bytes (JAX's
+        broadcast_one_to_all takes arrays of one shape everywhere)."""
+        if jax.process_count() == 1:
+            return data
+        from jax.experimental import multihost_utils
+
+        length = int(multihost_utils.broadcast_one_to_all(np.int64(len(data))))
+        mine = np.zeros(length, dtype=np.uint8)
+        if jax.process_index() == 0:
+            mine[:] = np.frombuffer(data, dtype=np.uint8)
+        return bytes(np.asarray(multihost_utils.broadcast_one_to_all(mine)))
+
     def peak_memory_bytes(self) -> int | None:
         """The device allocator's high-water mark (None where the platform keeps none: CPU)."""
         stats = [

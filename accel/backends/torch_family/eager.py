@@ -32,7 +32,7 @@ from accel.backends.torch_family.split import SplitLayout
 from accel.backends.torch_family.step_random import StepRandom
 from accel.backends.torch_family.whole import WholeLayout
 from accel.config import SHARD_MODES, BackendConfig
-from accel.distributed import DistContext, env_context
+from accel.distributed import DistContext, broadcast_bytes, env_context
 from accel.optim import OptimizerSpec
 from accel.parallel.mesh import ParallelDims
 
@@ -253,6 +253,9 @@ class EagerBackend(BackendBase):
         value = torch.tensor([float(flag)], device=self.device)
         dist.all_reduce(value, op=dist.ReduceOp.MAX)
         return bool(value.item())
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        return broadcast_bytes(data)
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

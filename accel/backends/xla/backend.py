@@ -96,6 +96,7 @@ class XlaBackend(BackendBase):
     rng_state = Forwarded("devices")
     load_rng_state = Forwarded("devices")
     any_rank = Forwarded("devices")
+    broadcast_bytes = Forwarded("devices")
     synchronize = Forwarded("devices")
     step_compiles = Forwarded("compiles")
 

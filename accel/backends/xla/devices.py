@@ -94,6 +94,19 @@ class XlaDevices:
         value = cast(torch.Tensor, xm.all_reduce(xm.REDUCE_MAX, local))
         return bool(value.cpu().item())
 
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        """Rank 0's bytes on every process: summed with the others' zeros (xm's collectives
+        reduce; they have no broadcast), after the longest length is agreed."""
+        if not self.ctx.distributed:
+            return data
+        length = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        size = int(cast(torch.Tensor, xm.all_reduce(xm.REDUCE_MAX, length)).cpu().item())
+        mine = torch.zeros(size, dtype=torch.int32)
+        if self.ctx.rank == 0:
+            mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8).int()
+        total = cast(torch.Tensor, xm.all_reduce(xm.REDUCE_SUM, mine.to(self.device)))
+        return bytes(total.cpu().to(torch.uint8).tolist())
+
     # --- the random generator -------------------------------------------------------------------
     def seed(self, seed: int) -> None:
         """The step's draws (dropout, stochastic depth): XLA's generator, seeded as every
