@@ -212,13 +212,13 @@ class Engine:
             say(compiled_again(self.backend, time.perf_counter() - started, shapes, before))
         return handle
 
-    def lowered_step(self, *batch: Any) -> Any:
-        """The whole training step lowered for a batch of these shapes and dtypes and run
-        nowhere (nothing trains), where one program compiles it: jax's `jax.stages.Lowered`
-        (`.as_text()`, `.compile().cost_analysis()`). The others refuse in one line."""
-        batch = checked_batch(batch)
+    def lowered_step(self, *batch: Any, platforms: Sequence[str] = ()) -> Any:
+        """The whole training step for a batch of these shapes, lowered and run nowhere, where
+        one program compiles it: jax's `jax.stages.Lowered` (`.as_text()`, `.compile()`); for
+        other `platforms` ('cuda' on a CPU), a `jax.export.Exported`. Others refuse in a line."""
+        batch, rates = checked_batch(batch), self.rates(self.state.step)
         try:
-            return self.runner.lowered_step(self.micro_batches(batch), self.rates(self.state.step))
+            return self.runner.lowered_step(self.micro_batches(batch), rates, tuple(platforms))
         except BackendUnavailable as err:
             raise AccelError(str(err)) from None
 

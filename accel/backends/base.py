@@ -277,9 +277,12 @@ class Backend(Protocol):
         finite; returns a handle of the loss and of whether the update was applied, which stays
         on the device until `fetch_results`."""
 
-    def lowered_step(self, micro_batches: list[Any], lr: float | list[float]) -> Any:
+    def lowered_step(
+        self, micro_batches: list[Any], lr: float | list[float], platforms: Sequence[str] = ()
+    ) -> Any:
         """The whole step lowered for these batches' shapes and run nowhere, where the backend
-        compiles one program (jax: a jax.stages.Lowered); BackendUnavailable elsewhere."""
+        compiles one program (jax: a jax.stages.Lowered; for `platforms`, a
+        jax.export.Exported); BackendUnavailable elsewhere."""
 
     def split(self, batch: tuple, parts: int) -> list[Any]:
         """A batch (from `device_batches`, or host tensors) as `parts` micro-batches."""

@@ -15,8 +15,10 @@ Part of the jax backend (imported only by accel/backends/jax/).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, NamedTuple
 
@@ -26,6 +28,15 @@ import jax.numpy as jnp
 from accel.config import AttentionChoice
 
 FLASH_MULTIPLE = 16  # sequence lengths cuDNN flash attention takes with padding
+# The custom calls of cuDNN's attention (jax's fused_attention_stablehlo), forward and backward,
+# with and without a bias and dropout. jax.export refuses them (they carry no promise that a
+# later jax reads them); a step exported here is read back by this same jax alone.
+CUDNN_CALLS = tuple(
+    f"__cudnn$fmha{bias}Softmax{dropout}{backward}"
+    for bias in ("", "ScaleBias")
+    for dropout in ("", "Dropout")
+    for backward in ("", "Backward")
+)
 FLASH_DTYPES = (jnp.bfloat16, jnp.float16)
 Implementation = Literal["cudnn", "xla"]
 
@@ -220,6 +231,28 @@ class AttentionKernels:
             f"cuDNN flash attention refused {shape} ({reason}): XLA's attention runs it",
             stacklevel=2,
         )
+
+    def traced(self) -> dict:
+        """What tracing told of each shape, kept with a step saved for later launches."""
+        keys = ("calls", "flash_calls", "refused", "shapes")
+        return {k: getattr(self, k) for k in keys}
+
+    def restore(self, traced: dict) -> None:
+        """What `traced` kept, for a step loaded instead of traced."""
+        for key, value in traced.items():
+            setattr(self, key, value)
+
+    @contextlib.contextmanager
+    def on_gpu(self, gpu: bool = True) -> Iterator[None]:
+        """Within: each shape takes what it would on a CUDA GPU (cuDNN where chosen and taken),
+        for a step lowered here for one (Engine.lowered_step's platforms); the shapes traced
+        within are forgotten after it."""
+        flash, calls, shapes = self.flash, self.flash_calls, dict(self.shapes)
+        self.flash = flash or gpu
+        try:
+            yield
+        finally:
+            self.flash, self.flash_calls, self.shapes = flash, calls, shapes
 
     def give_up(self, err: BaseException) -> None:
         """cuDNN failed after tracing had chosen it: no flash attention from here on (the

@@ -5,6 +5,7 @@ the programs XLA compiles)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -122,8 +123,13 @@ class JaxBackend(BackendBase):
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
         return self.step(self.stacked(micro_batches), lr, ema_decay)
 
-    def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
-        return self.step.lower(self.stacked(micro_batches), lr, 0.0)
+    def lowered_step(
+        self, micro_batches: list[tuple], lr: float | list[float], platforms: Sequence[str] = ()
+    ) -> Any:
+        batch = self.stacked(micro_batches)
+        if platforms:
+            return self.step.export(batch, lr, 0.0, platforms)
+        return self.step.lower(batch, lr, 0.0)
 
     def stacked(self, micro_batches: list[tuple]) -> tuple:
         """The micro-batches as the step takes them: each tensor [micro-steps, batch, ...]."""
@@ -146,5 +152,10 @@ class JaxBackend(BackendBase):
             shard=self.runtime.shard,
             state_bytes=self.state.bytes(),
             peak_memory_bytes=self.runtime.peak_memory_bytes(),
-            details={**self.runtime.details(), **self.attention.stats()},
+            details={
+                **self.runtime.details(),
+                **self.attention.stats(),
+                # steps loaded from an earlier launch's export, not traced (saved.py)
+                "steps_loaded": self.step.loaded,
+            },
         )

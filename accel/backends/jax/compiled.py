@@ -4,7 +4,9 @@ programs, and the accounting of what JAX compiled and how long it took."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import jax
@@ -12,13 +14,34 @@ import jax.numpy as jnp
 import torch
 
 from accel.backends.base import LossFn, MetricFn, StepResult, split_loss
-from accel.backends.jax.attention import AttentionKernels
+from accel.backends.jax.attention import CUDNN_CALLS, AttentionKernels
 from accel.backends.jax.runtime import Runtime
+from accel.backends.jax.saved import SavedSteps, arguments_identity, serializable, shardy
 from accel.backends.jax.state import TrainState
 from accel.backends.jax.step import make_train_step
 from accel.backends.jax.tracing import Tracer
 from accel.backends.jax.values import host_value, to_torch
 from accel.config import BackendConfig
+
+DONATED = (0, 1, 2, 3, 4)  # the step's weights, optimizer state, EMA, count and constants
+
+
+class NotExportable(Exception):
+    """jax.export refuses the step (a custom call it gives no promise for, an effect)."""
+
+
+def exported(fn: Any, args: tuple, platforms: Sequence[str]) -> jax.export.Exported:
+    """`fn` exported for `platforms` at these arguments' shapes (traced by the caller's
+    tracer). cuDNN's attention calls are let through: the export is read back by this same jax.
+    NotExportable where jax.export refuses it for want of a promise of compatibility."""
+    unchecked = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS]
+    serializable(args)
+    try:
+        return jax.export.export(fn, platforms=tuple(platforms), disabled_checks=unchecked)(*args)
+    except ValueError as err:
+        if "Cannot serialize code with" in str(err):
+            raise NotExportable(str(err).splitlines()[0]) from None
+        raise
 
 
 class CompileMonitor:
@@ -60,8 +83,10 @@ class CompileMonitor:
 
 class CompiledStep:
     """The training step (make_train_step) under jax.jit, run on `state`: its weights,
-    optimizer state, EMA and count donated and replaced by each call's. Where cuDNN took every
-    attention while tracing and then refused the step, it is built again on XLA's attention."""
+    optimizer state, EMA and count donated and replaced by each call's. One program per set of
+    argument shapes, each exported (jax.export) and kept between launches (SavedSteps): a later
+    launch of the same job loads it instead of tracing. Where cuDNN took every attention while
+    tracing and then refused the step, it is built again on XLA's attention."""
 
     def __init__(
         self,
@@ -76,6 +101,10 @@ class CompiledStep:
         self.attention, self.loss_fn = attention, loss_fn
         self.extra_keys: list[str] = []
         self.fn = self._jit()
+        folder = Path(cfg.compiler.cache_dir) / "steps" if cfg.compiler.cache_dir else None
+        self.saved = SavedSteps(folder, tracer.module, loss_fn, state.optimizer.spec, cfg)
+        self.programs: dict[str, Any] = {}  # by the arguments' shapes and shardings
+        self.loaded = 0  # programs loaded from an earlier launch's export
 
     def _loss(self, params: dict, buffers: dict, batch: tuple, key) -> tuple:
         """The loss, the loss function's extras as one fp32 vector (their names kept, in
@@ -87,8 +116,12 @@ class CompiledStep:
         vector = jnp.stack(values) if values else jnp.zeros(0, jnp.float32)
         return loss.astype(jnp.float32), vector, written
 
-    def _jit(self):
+    def _outs(self) -> tuple:
         layout, replicated = self.state.layout, self.runtime.replicated
+        return (layout.params, layout.opt, layout.ema, replicated, replicated, replicated)
+
+    def _jit(self):
+        layout = self.state.layout
         step = make_train_step(
             self._loss,
             self.state.optimizer,
@@ -99,8 +132,7 @@ class CompiledStep:
             weight_shardings=layout.weights,
             unread=lambda: self.tracer.unread,
         )
-        outs = (layout.params, layout.opt, layout.ema, replicated, replicated, replicated)
-        return jax.jit(step, donate_argnums=(0, 1, 2, 3, 4), out_shardings=outs)
+        return jax.jit(step, donate_argnums=DONATED, out_shardings=self._outs())
 
     def arguments(self, batch: tuple, lr: float | list[float], ema_decay: float) -> tuple:
         """What `fn` takes: the state, the batch ([micro-steps, batch, ...] arrays, or their
@@ -113,20 +145,64 @@ class CompiledStep:
         with self.tracer.tracing():
             return self.fn.lower(*self.arguments(batch, lr, ema_decay))
 
+    def export(
+        self, batch: tuple, lr: float | list[float], ema_decay: float, platforms: Sequence[str]
+    ) -> jax.export.Exported:
+        """The step lowered for `platforms` (jax.export: for machines other than this one,
+        'cuda' on a CPU-only one), run nowhere; for 'cuda', attention takes the kernels it
+        would take on a GPU (AttentionKernels.on_gpu)."""
+        gpu = "cuda" in platforms or "rocm" in platforms
+        with self.tracer.tracing(), self.attention.on_gpu(gpu):
+            fn = self._jit()  # traced afresh: the attention chosen for those platforms
+            return exported(fn, self.arguments(batch, lr, ema_decay), platforms)
+
+    def program(self, args: tuple) -> Any:
+        """The step for these arguments' shapes: loaded from an earlier launch's export, or
+        traced and exported now (and kept). Where nothing is kept (code outside files) or the
+        step cannot be exported, the jitted step itself."""
+        signature = arguments_identity(args)
+        found = self.programs.get(signature)
+        if found is not None:
+            return found
+        if not self.saved.enabled:
+            self.programs[signature] = self.fn
+            return self.fn
+        key = self.saved.key(args)
+        kept = self.saved.load(key, args)
+        if kept is not None:
+            exported_step, traced = kept
+            self.extra_keys = traced["extra_keys"]
+            self.attention.restore(traced["attention"])
+            self.loaded += 1
+        else:
+            try:
+                exported_step = exported(self.fn, args, (jax.default_backend(),))
+            except NotExportable:
+                self.programs[signature] = self.fn
+                return self.fn
+            traced = {"extra_keys": self.extra_keys, "attention": self.attention.traced()}
+            self.saved.save(key, exported_step, traced)
+        call = jax.jit(exported_step.call, donate_argnums=DONATED, out_shardings=self._outs())
+        self.programs[signature] = call
+        return call
+
     def __call__(self, batch: tuple, lr: float | list[float], ema_decay: float) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0, *extras] on the devices."""
         args = self.arguments(batch, lr, ema_decay)
-        with self.tracer.tracing():
+        with self.tracer.tracing(), shardy() if self.saved.enabled else contextlib.nullcontext():
+            fn = self.program(args)
             try:
-                *new, result = self.fn(*args)
+                *new, result = fn(*args)
             except (NotImplementedError, ValueError, RuntimeError) as err:
-                if not self.attention.flash_calls or self.fn._cache_size():
+                if not self.attention.flash_calls or fn._cache_size():
                     raise
                 # cuDNN took every attention call while tracing the forward, then refused the
                 # backward or the compile: build the whole step on XLA's attention instead.
                 self.attention.give_up(err)
                 self.fn = self._jit()
-                *new, result = self.fn(*args)
+                self.programs.clear()
+                self.saved.folder = None  # what a later launch loads must not take cuDNN
+                *new, result = self.program(args)(*args)
         self.state.update(*new)
         return result
 
@@ -135,7 +211,9 @@ class CompiledStep:
         return StepResult.from_rows(rows, self.extra_keys)
 
     def compiled(self) -> int:
-        return self.fn._cache_size()
+        """Programs of the step compiled so far, whichever way each came."""
+        programs = {id(p): p for p in [self.fn, *self.programs.values()]}
+        return sum(p._cache_size() for p in programs.values())
 
 
 class Evaluation:

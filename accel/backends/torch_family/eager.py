@@ -6,7 +6,7 @@ forward and loss compiled."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -189,7 +189,9 @@ class EagerBackend(BackendBase):
     def split(self, batch: tuple, parts: int) -> list[tuple]:
         return split_batch(batch, parts)
 
-    def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
+    def lowered_step(
+        self, micro_batches: list[tuple], lr: float | list[float], platforms: Sequence[str] = ()
+    ) -> Any:
         raise BackendUnavailable(f"the {self.name} backend runs torch ops: no program to lower")
 
     def train_step(

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -100,7 +101,9 @@ class XlaBackend(BackendBase):
     synchronize = Forwarded("devices")
     step_compiles = Forwarded("compiles")
 
-    def lowered_step(self, micro_batches: list[tuple], lr: float | list[float]) -> Any:
+    def lowered_step(
+        self, micro_batches: list[tuple], lr: float | list[float], platforms: Sequence[str] = ()
+    ) -> Any:
         raise BackendUnavailable("the xla backend traces its step lazily: no program to lower")
 
     def live_state(self) -> dict[str, Any]:
