@@ -17,7 +17,7 @@ PYTHON312 ?= $(firstword $(wildcard $(HOME)/.pyenv/versions/3.12*/bin/python3.12
 # in-process compiles share the compilers' in-memory caches, which a second worker would not.
 WORKERS := -n 2 --no-loadscope-reorder
 
-.PHONY: setup demo test test-fast test-stress test-latest lint bench plot notebooks convergence gpu-check clean
+.PHONY: setup demo test test-fast test-stress test-latest gpu-program lint bench plot notebooks convergence gpu-check clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -48,6 +48,20 @@ test-fast: setup
 ROUNDS ?= 10
 test-stress: setup
 	$(BIN)/python -m tests.stress --rounds $(ROUNDS) --out .stress
+
+# The program an H200 runs for a training step, compiled on this machine without a GPU
+# (bench/gpu_program.py), in a venv of its own with JAX's CUDA plugin (the gpu-program extra):
+# .venv and the suite never load the plugin.
+H200 := .venv-h200
+$(H200)/.installed: pyproject.toml
+	test -x $(H200)/bin/python || $(PYTHON) -m venv $(H200)
+	$(H200)/bin/python -m pip install -q --progress-bar off --upgrade pip
+	$(H200)/bin/python -m pip install --progress-bar off -e ".[jax,gpu-program]" \
+		torch==2.9.0 torchvision==0.24.0
+	touch $@
+
+gpu-program: $(H200)/.installed
+	$(H200)/bin/python bench/gpu_program.py --record h200-program
 
 # The newest torch, torchvision and jax pip finds, on Python 3.12, without torch_xla (whose last
 # release pairs only with torch 2.9): the suite with the xla tests skipped. Not part of CI.
@@ -100,4 +114,4 @@ gpu-check: setup
 	$(BIN)/python bench/gpu_check.py --smoke
 
 clean:
-	rm -rf $(VENV) $(LATEST) $(DEMO) .stress runs
+	rm -rf $(VENV) $(LATEST) $(H200) $(DEMO) .stress runs

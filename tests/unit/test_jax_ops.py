@@ -103,6 +103,89 @@ def test_layer_norm_gives_torchs_values_and_gradients(env, affine):
     np.testing.assert_allclose(grad_w, want_w, rtol=1e-3, atol=1e-3)
 
 
+@pytest.mark.parametrize("approximate", ["none", "tanh"])
+def test_gelu_gives_torchs_values_and_gradients(env, approximate):
+    x = np.random.default_rng(8).standard_normal((5, 11)).astype(np.float32) * 3
+
+    def activated(t: torch.Tensor) -> torch.Tensor:
+        out = torch.nn.functional.gelu(t, approximate=approximate)
+        return (out**3).sum()  # every output's gradient its own
+
+    (value, grad), (want, want_grad) = value_and_grad(env, activated, x)
+    assert value == pytest.approx(want, rel=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["plain", "bias", "bias and mask", "causal"])
+def test_attention_on_xla_gives_torchs_values_and_gradients(env, kind):
+    """torch's SDPA through the backend's XLA attention (recomputed_attention), a bias's
+    gradient among the gradients (Swin's relative positions train through it)."""
+    from accel.backends.jax.attention import AttentionKernels
+    from accel.backends.jax.tracing import attention_lowerings, torch_sdpa
+
+    rng = np.random.default_rng(9)
+    q, k, v = (rng.standard_normal((2, 3, 7, 4)).astype(np.float32) for _ in range(3))
+    bias = rng.standard_normal((1, 3, 7, 7)).astype(np.float32)
+    mask = np.tril(np.ones((7, 7), bool)) | (kind != "bias and mask")
+
+    def attended(bias_: torch.Tensor, q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor):
+        given = None
+        if kind == "bias":
+            given = bias_
+        elif kind == "bias and mask":
+            given = bias_.masked_fill(~torch.as_tensor(mask), float("-inf"))
+        out = torch.nn.functional.scaled_dot_product_attention(
+            q_, k_, v_, attn_mask=given, is_causal=kind == "causal"
+        )
+        return (out**3).sum() + (q_ * k_).sum()  # every output's gradient its own
+
+    sdpa = torch_sdpa(AttentionKernels(flash=False, choice="xla"))
+    with overridden(env, attention_lowerings(sdpa)):
+        biased = kind.startswith("bias")
+        for first in range(0 if biased else 1, 4):  # by each input in turn, the bias's first
+            inputs = [bias, q, k, v]
+            inputs = [inputs[first], *inputs[:first], *inputs[first + 1 :]]
+
+            def ordered(*tensors, first=first):
+                back = list(tensors[1:])
+                back.insert(first, tensors[0])
+                return attended(*back)
+
+            (value, grad), (want, want_grad) = value_and_grad(env, ordered, *inputs)
+            assert value == pytest.approx(want, rel=1e-5)
+            np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-5)
+
+
+def saved_for_the_backward(fn, *args) -> list[str]:
+    """The types of what jax keeps for fn's backward (jax.ad_checkpoint's public report)."""
+    import contextlib
+    import io
+
+    from jax.ad_checkpoint import print_saved_residuals
+
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        print_saved_residuals(fn, *args)
+    return [line.split(" ")[0] for line in printed.getvalue().splitlines()]
+
+
+def test_gelu_and_xla_attention_keep_for_the_backward_what_it_needs():
+    """GELU: its input alone (jax.nn.gelu keeps three values its input's size); attention: the
+    T x S probabilities once, in the inputs' dtype (jax.nn.dot_product_attention's autodiff
+    keeps them in float32 and in bf16)."""
+    from accel.backends.jax.attention import recomputed_attention
+    from accel.backends.jax.ops import jax_gelu
+
+    x = jnp.ones((8, 16), jnp.bfloat16)
+    assert saved_for_the_backward(lambda x: jax_gelu(x, False).sum(), x) == ["bf16[8,16]"]
+    q, bias = jnp.ones((2, 7, 3, 4), jnp.bfloat16), jnp.ones((1, 3, 7, 7), jnp.bfloat16)
+    kept = saved_for_the_backward(
+        lambda q, b: recomputed_attention(q, q, q, b, None, 0.5, False).sum(), q, bias
+    )
+    by_scores = [t for t in kept if t.endswith(",7,7]")]
+    assert by_scores == ["bf16[1,3,7,7]", "bf16[2,3,7,7]"]  # the bias given, the probabilities
+
+
 @pytest.mark.parametrize(
     ("left", "right"),
     [

@@ -10,12 +10,18 @@ tokens are padded to a multiple of 16 and the true lengths passed as `query_seq_
 `key_value_seq_lengths`: cuDNN masks the padded keys, and the padded query rows are sliced off.
 A shape, dtype or mask that cuDNN refuses falls back to XLA's attention, named once in a warning.
 Without a CUDA GPU every shape runs on XLA, and stats() still says what each shape would take.
+XLA's attention here (recomputed_attention) is jax.nn.dot_product_attention's own arithmetic with
+a backward of its own: XLA's autodiff kept every call's T x S probabilities twice, in float32 and
+in the input's dtype; this one keeps them once, in the input's dtype (Swin-T at batch 128,
+XLA:GPU's program for an H200: 82.1 GB read and written against 85.3, 8.26 GiB against 8.33;
+bench/results/h200-program.json).
 Part of the jax backend (imported only by accel/backends/jax/).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Iterator
@@ -156,6 +162,76 @@ def padded_attention(
     return out[:, :tokens]
 
 
+# --- XLA's attention with flash attention's memory: nothing T x S kept for the backward -------
+def _logits(query, key, bias, mask, scale: float, is_causal: bool) -> jax.Array:
+    """[B, N, T, S] float32 logits, scaled, biased and masked (a masked position the lowest
+    float, as jax.nn.dot_product_attention masks)."""
+    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
+    logits = logits * jnp.float32(scale)
+    if bias is not None:
+        logits = logits + bias.astype(jnp.float32)
+    if is_causal:
+        tokens, keys = logits.shape[-2:]
+        causal = jnp.tril(jnp.ones((tokens, keys), jnp.bool_))
+        mask = causal if mask is None else jnp.logical_and(mask, causal)
+    if mask is not None:
+        logits = jnp.where(mask, logits, jnp.finfo(jnp.float32).min)
+    return logits
+
+
+def _attention_forward(query, key, value, bias, mask, scale: float, is_causal: bool) -> tuple:
+    logits = _logits(query, key, bias, mask, scale, is_causal)
+    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+    # Held as they are (an optimization barrier): otherwise XLA computes the probabilities
+    # again from the float32 logits wherever they are read, the backward's reads among them,
+    # and so keeps the logits, twice their size, until then.
+    probs = jax.lax.optimization_barrier(jnp.exp(logits - lse).astype(value.dtype))
+    out = jnp.einsum("BNTS,BSNH->BTNH", probs, value)  # in value's dtype, as jax's own
+    return out, (query, key, value, bias, mask, out, probs)
+
+
+def _summed_to(grad: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    """`grad` summed over the axes a value of `shape` was broadcast along."""
+    lead = grad.ndim - len(shape)
+    grad = grad.sum(tuple(range(lead))) if lead else grad
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and grad.shape[i] != 1)
+    return grad.sum(axes, keepdims=True) if axes else grad
+
+
+def _attention_backward(scale: float, is_causal: bool, saved: tuple, grad: jax.Array) -> tuple:
+    query, key, value, bias, _, out, low_probs = saved
+    f32 = jnp.float32
+    probs = low_probs.astype(f32)
+    d_value = jnp.einsum("BNTS,BTNH->BSNH", low_probs, grad, preferred_element_type=f32)
+    d_probs = jnp.einsum("BTNH,BSNH->BNTS", grad, value, preferred_element_type=f32)
+    delta = jnp.einsum("BTNH,BTNH->BNT", grad.astype(f32), out.astype(f32))[..., None]
+    d_logits = probs * (d_probs - delta)
+    low = d_logits.astype(query.dtype)  # flash attention's: the gradient's matmuls in bf16
+    d_query = jnp.einsum("BNTS,BSNH->BTNH", low, key, preferred_element_type=f32) * scale
+    d_key = jnp.einsum("BNTS,BTNH->BSNH", low, query, preferred_element_type=f32) * scale
+    d_bias = None if bias is None else _summed_to(d_logits, bias.shape).astype(bias.dtype)
+    return (
+        d_query.astype(query.dtype),
+        d_key.astype(key.dtype),
+        d_value.astype(value.dtype),
+        d_bias,
+        None,  # the mask: no gradient
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def recomputed_attention(query, key, value, bias, mask, scale: float, is_causal: bool):
+    """[B, T, N, H] attention as XLA's own ops (jax.nn.dot_product_attention's "xla", the same
+    float32 softmax and low-precision matmuls), whose backward keeps what flash attention keeps:
+    the inputs, the output and a float32 log-sum-exp a row, the probabilities computed again.
+    XLA's autodiff keeps the T x S probabilities of every call, in float32 and again in the
+    input's dtype (Swin-T at batch 128: 1.7 GiB of the step's memory on an H200)."""
+    return _attention_forward(query, key, value, bias, mask, scale, is_causal)[0]
+
+
+recomputed_attention.defvjp(_attention_forward, _attention_backward)
+
+
 @dataclass
 class AttentionKernels:
     """Which attention each traced shape takes, what it ran on, and what cuDNN refused (one
@@ -200,16 +276,8 @@ class AttentionKernels:
         self.note(shape, tokens, chose, ran, why)
         if out is not None:
             return out
-        return jax.nn.dot_product_attention(
-            query,
-            key,
-            value,
-            bias=bias,
-            mask=mask,
-            scale=scale,
-            is_causal=is_causal,
-            implementation="xla",
-        )
+        scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+        return recomputed_attention(query, key, value, bias, mask, scale, is_causal)
 
     def note(self, shape: str, tokens: int, chose: str, ran: str, why: str) -> None:
         seen = self.shapes.get(shape, {"calls": 0})
