@@ -134,7 +134,11 @@ def test_xla_never_calls_the_flash_path(flash_spy):
         q, k, v, bias = _bf16(tokens)
         out = kernels(q, k, v, bias, None, None, False)
         want = jax.nn.dot_product_attention(q, k, v, bias=bias, implementation="xla")
-        np.testing.assert_array_equal(out, want)
+        # jax's own arithmetic, fused apart (its backward is the backend's): a bf16 rounding
+        # at most (tests/unit/test_jax_ops.py checks values and gradients against torch's)
+        np.testing.assert_allclose(
+            np.asarray(out, np.float32), np.asarray(want, np.float32), rtol=1e-2, atol=1e-3
+        )
     assert flash_spy == [] and kernels.flash_calls == 0
     assert {s["ran"] for s in kernels.stats()["attention_shapes"].values()} == {"xla"}
 

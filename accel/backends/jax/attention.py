@@ -166,7 +166,12 @@ def padded_attention(
 def _logits(query, key, bias, mask, scale: float, is_causal: bool) -> jax.Array:
     """[B, N, T, S] float32 logits, scaled, biased and masked (a masked position the lowest
     float, as jax.nn.dot_product_attention masks)."""
-    logits = jnp.einsum("BTNH,BSNH->BNTS", query, key, preferred_element_type=jnp.float32)
+    # jax's own: bf16 x bf16 multiplied into float32 (its algorithm named where the inputs are
+    # bf16, as jax.nn.dot_product_attention names it, so that both give the same logits).
+    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if query.dtype == jnp.bfloat16 else None
+    logits = jnp.einsum(
+        "BTNH,BSNH->BNTS", query, key, precision=precision, preferred_element_type=jnp.float32
+    )
     logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
@@ -181,11 +186,10 @@ def _logits(query, key, bias, mask, scale: float, is_causal: bool) -> jax.Array:
 
 def _attention_forward(query, key, value, bias, mask, scale: float, is_causal: bool) -> tuple:
     logits = _logits(query, key, bias, mask, scale, is_causal)
-    lse = jax.nn.logsumexp(logits, axis=-1, keepdims=True)
     # Held as they are (an optimization barrier): otherwise XLA computes the probabilities
     # again from the float32 logits wherever they are read, the backward's reads among them,
     # and so keeps the logits, twice their size, until then.
-    probs = jax.lax.optimization_barrier(jnp.exp(logits - lse).astype(value.dtype))
+    probs = jax.lax.optimization_barrier(jax.nn.softmax(logits, axis=-1).astype(value.dtype))
     out = jnp.einsum("BNTS,BSNH->BTNH", probs, value)  # in value's dtype, as jax's own
     return out, (query, key, value, bias, mask, out, probs)
 
@@ -221,11 +225,11 @@ def _attention_backward(scale: float, is_causal: bool, saved: tuple, grad: jax.A
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def recomputed_attention(query, key, value, bias, mask, scale: float, is_causal: bool):
-    """[B, T, N, H] attention as XLA's own ops (jax.nn.dot_product_attention's "xla", the same
-    float32 softmax and low-precision matmuls), whose backward keeps what flash attention keeps:
-    the inputs, the output and a float32 log-sum-exp a row, the probabilities computed again.
-    XLA's autodiff keeps the T x S probabilities of every call, in float32 and again in the
-    input's dtype (Swin-T at batch 128: 1.7 GiB of the step's memory on an H200)."""
+    """[B, T, N, H] attention as XLA's own ops, jax.nn.dot_product_attention's "xla" forward
+    (its float32 softmax and low-precision matmuls, the same values), whose backward keeps the
+    T x S probabilities once, in the inputs' dtype, beside the inputs and the output; XLA's
+    autodiff keeps them in float32 and again in the inputs' dtype. The backward's matmuls take
+    the logits' gradient in the inputs' dtype, as flash attention's do."""
     return _attention_forward(query, key, value, bias, mask, scale, is_causal)[0]
 
 

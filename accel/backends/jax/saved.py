@@ -219,7 +219,7 @@ def shardy() -> Iterator[None]:
     called: torch_xla, once it has run in the process, turns it off for the whole process (its
     jax workarounds, for its own SPMD), and a step exported and called without it does not lower
     (jax 0.10: its sharding annotations fail MLIR's verifier). Set back after."""
-    before = bool(jax.config.read("jax_use_shardy_partitioner"))
+    before = bool(jax.config.values["jax_use_shardy_partitioner"])
     if before:
         yield
         return
