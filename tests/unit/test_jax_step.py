@@ -96,3 +96,24 @@ def test_weights_the_loss_does_not_read_are_left_as_they_were():
     moments = optimizer.named(state)
     np.testing.assert_array_equal(moments["v"]["exp_avg"], jnp.zeros(2))
     assert np.any(np.asarray(moments["w"]["exp_avg"]) != 0)
+
+
+def test_each_replicas_draws_come_from_its_replica_seed():
+    """The key a step draws from is replica_seed(seed, replica)'s, folded with the step count
+    and the micro-step, as every backend derives its stream (docs/api.md, random draws)."""
+    from accel.backends.base import replica_seed
+
+    mesh = Mesh(np.array(jax.devices()[:1]), ("data",))
+
+    def noisy_loss(params, consts, batch, key):
+        inputs, targets = batch
+        noise = jax.random.normal(key, targets.shape)
+        return jnp.mean((inputs @ params["w"] + noise - targets) ** 2)
+
+    step = jax.jit(make_train_step(noisy_loss, sgd(), mesh, seed=7))
+    inputs, targets = jnp.zeros((2, 3)), jnp.zeros(2)
+    loss = float(call(step, inputs, targets)[-1][0])  # count 0
+    replica = jax.random.key(replica_seed(7, 0))
+    key = jax.random.fold_in(jax.random.fold_in(replica, 0), 0)  # step count 0, micro-step 0
+    expected = jax.random.normal(key, (2,))
+    assert loss == pytest.approx(float(jnp.mean(expected**2)), rel=1e-6)

@@ -13,6 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from accel.backends.base import replica_seed
 from accel.backends.jax.optimizer import OptaxGroups
 from accel.parallel.mesh import Axis
 
@@ -57,8 +58,12 @@ def make_train_step(
     keys the random draws; `grad_shardings`: where the gradients go for a sharded update
     (shard=, tp=); `weight_shardings` (a tensor axis only): where the weights are while the
     gradients are computed."""
-    base_key = jax.random.key(seed)
     data = mesh.axis_names[0]  # the batch's axis (dp, or fsdp where the weights split too)
+    # Each data replica's stream of draws, from prepare's seed and its index, as every backend
+    # derives it (replica_seed); a replica's draws then follow from the step count alone.
+    replica_keys = jnp.stack(
+        [jax.random.key(replica_seed(seed, r)) for r in range(mesh.shape[data])]
+    )
 
     written_names: set[str] = set()  # the constants the loss writes, known once traced
 
@@ -99,7 +104,7 @@ def make_train_step(
     def local_grads(params, consts, batch, count):
         # Random draws differ per step, device and micro-step, and follow from the seed and the
         # count alone (saved as the backend's random state).
-        key = jax.random.fold_in(jax.random.fold_in(base_key, count), jax.lax.axis_index(data))
+        key = jax.random.fold_in(replica_keys[jax.lax.axis_index(data)], count)
         loss, extras, grads, consts = mean_grads(params, consts, batch, key, lambda g: g)
         # The explicit all-reduce: every device ends with the mean gradient of the global batch,
         # and the mean of the statistics each device's forward wrote.
@@ -123,7 +128,8 @@ def make_train_step(
             # free, the partitioner may gather the batch instead and run all of it on each
             # device.
             params = jax.lax.with_sharding_constraint(params, weight_shardings)
-        return mean_grads(params, consts, batch, jax.random.fold_in(base_key, count), constrain)
+        key = jax.random.fold_in(replica_keys[0], count)
+        return mean_grads(params, consts, batch, key, constrain)
 
     def constrain(grads):
         # The accumulated gradients stay split as the weights are, not gathered whole.
@@ -133,7 +139,7 @@ def make_train_step(
 
     def one_device_grads(params, consts, batch, count):
         # One device: the mean over the devices is the device's own (no collective).
-        key = jax.random.fold_in(jax.random.fold_in(base_key, count), 0)
+        key = jax.random.fold_in(replica_keys[0], count)
         return mean_grads(params, consts, batch, key, lambda g: g)
 
     rep = P()

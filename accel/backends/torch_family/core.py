@@ -125,9 +125,8 @@ class TorchCore:
         # O2 keeps fp32 master weights beside the low-precision model (unless a sharded layout's
         # fp32 shards are the masters already).
         self.separate_masters = masters
-        self.scaler = torch.amp.GradScaler(
-            "cuda", enabled=amp.loss_scaling and device.type == "cuda"
-        )
+        # torch's loss scaler on the step's device (CUDA's, or the CPU's: torch has both).
+        self.scaler = torch.amp.GradScaler(device.type, enabled=amp.loss_scaling)
         self.master: dict[nn.Parameter, torch.Tensor] = {}
         self.measured: dict[str, int] = {}  # state_bytes, once the first step made the state
         self.extra_keys: list[str] = []  # the names of the loss function's extras
@@ -201,9 +200,9 @@ class TorchCore:
         norm = norm_of(params)
         if clip > 0:
             clip_to_norm(params, clip, norm)
-        finite = torch.isfinite(loss)
-        if not self.scaler.is_enabled():  # the loss scaler skips steps with inf gradients itself
-            finite &= torch.isfinite(norm)
+        # The norm of the unscaled gradients: not finite where the loss scaler found an inf or
+        # a NaN, whose step it skips (and the EMA and the skip count must know it).
+        finite = torch.isfinite(loss) & torch.isfinite(norm)
         self.guard(self.optimizer, self.scaler, finite)
         if not self.measured:
             self.measured = self.state_bytes()
