@@ -3,8 +3,8 @@ how it is read back without running anything a file holds.
 
 Every file loads with `torch.load(weights_only=True)`: tensors, numbers, strings, lists and dicts
 only (the config travels as JSON, random generator states as tensors). A run whose model is whole
-on every rank writes one file, `step_N.pt`; a run whose ranks each hold a part (FSDP shards, a
-split classifier, pipeline stages) writes a folder, `step_N.dcp`, through
+on every rank writes one file; a run whose ranks each hold a part (FSDP shards, a split
+classifier, pipeline stages) writes a folder, through
 torch.distributed.checkpoint: each rank writes what it holds, rank 0 the loop state (`meta.pt`),
 and the folder takes its name once all have written. Either kind loads into any layout.
 """
@@ -32,30 +32,14 @@ from accel.config import ConfigError
 from accel.parallel.materialize import local_region
 
 FORMAT = "accel-checkpoint-2"
-PATTERN = re.compile(r"^step_(\d+)\.(pt|dcp)$")
+# What a writer names its work until it is whole (a file's or a folder's temporary name): a
+# killed writer may leave one, which nothing reads.
+PARTIAL = ".*.tmp"
 META = "meta.pt"
 
 
 class CheckpointError(ConfigError):
     """A checkpoint that cannot be used: one line, exit 2."""
-
-
-class StorageError(ConfigError):
-    """The run's folder cannot be written (full disk, permissions): one line naming the path and
-    what was kept, exit 2."""
-
-
-def storage_error(err: BaseException, run_dir: Path) -> StorageError:
-    """What a failed write says: why, where, and the newest checkpoint still on disk."""
-    reason = getattr(err, "strerror", None) or _first_line(err)
-    where = getattr(err, "filename", None) or run_dir
-    latest = latest_checkpoint(run_dir)
-    kept = f"kept {latest}" if latest else f"no checkpoint kept in {run_dir}"
-    return StorageError(f"{reason}: cannot write {where}; {kept}")
-
-
-def checkpoint_dir(run_dir: Path) -> Path:
-    return run_dir / "checkpoints"
 
 
 # --- random generator states as tensors ------------------------------------------------------
@@ -162,7 +146,7 @@ def sharded_keys(path: Path) -> set[str]:
     except UnsafeCheckpoint as err:
         raise CheckpointError(f"{path}: {err}") from None
     except (OSError, EOFError, pickle.UnpicklingError) as err:
-        raise CheckpointError(f"{path} is not a readable checkpoint ({_first_line(err)})") from None
+        raise CheckpointError(f"{path} is not a readable checkpoint ({first_line(err)})") from None
 
 
 # --- loading into a layout ---------------------------------------------------------------------
@@ -215,12 +199,12 @@ def load_sharded(path: Path, template: dict[str, Any]) -> None:
             dcp.load(template, storage_reader=SafeReader(path), planner=TensorsOnly())
         except CheckpointException as err:  # DCP wraps every rank's failure in this
             first = next(iter(err.failures.values()))[0]
-            raise CheckpointError(f"{path}: {_first_line(first)}") from None
+            raise CheckpointError(f"{path}: {first_line(first)}") from None
         except (RuntimeError, ValueError, UnsafeCheckpoint) as err:
-            raise CheckpointError(f"{path} does not fit this model: {_first_line(err)}") from None
+            raise CheckpointError(f"{path} does not fit this model: {first_line(err)}") from None
 
 
-def _first_line(err: BaseException) -> str:
+def first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[-1] if text else type(err).__name__
 
@@ -274,7 +258,7 @@ def write_file(final: Path, payload: dict[str, Any]) -> None:
             os.fsync(f.fileno())
         os.replace(tmp, final)
     except RuntimeError as err:
-        raise OSError(errno.EIO, f"write failed ({_first_line(err)})", str(final)) from None
+        raise OSError(errno.EIO, f"write failed ({first_line(err)})", str(final)) from None
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -295,38 +279,6 @@ def write_folder(final: Path, state: dict[str, Any], meta: dict[str, Any], main:
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     dist.barrier()
-
-
-def list_checkpoints(run_dir: Path) -> list[Path]:
-    folder = checkpoint_dir(run_dir)
-    if not folder.is_dir():
-        return []
-    found = [p for p in folder.iterdir() if PATTERN.match(p.name)]
-    return sorted(found, key=lambda p: int(cast(re.Match, PATTERN.match(p.name)).group(1)))
-
-
-def latest_checkpoint(run_dir: Path) -> Path | None:
-    found = list_checkpoints(run_dir)
-    return found[-1] if found else None
-
-
-def prune(run_dir: Path, keep: int) -> None:
-    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
-        if old.is_dir():
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            old.unlink(missing_ok=True)
-
-
-def remove_stale_temporaries(run_dir: Path) -> None:
-    """Temporary files and folders a killed writer left (the run folder's lock says no other
-    writer is at work)."""
-    folder = checkpoint_dir(run_dir)
-    for tmp in folder.glob(".*.tmp") if folder.is_dir() else ():
-        if tmp.is_dir():
-            shutil.rmtree(tmp, ignore_errors=True)
-        else:
-            tmp.unlink(missing_ok=True)
 
 
 # --- what must match to resume -----------------------------------------------------------------

@@ -324,7 +324,7 @@ class Engine:
         return self.runner.any_rank(flag)
 
     def broadcast(self, value: Any) -> Any:
-        """Rank 0's `value` (anything JSON writes: a run folder's name) on every rank, sent as
+        """Rank 0's `value` (anything JSON writes: a folder's name) on every rank, sent as
         JSON, never pickled; a collective, as `any_rank` (example: the class's)."""
         return json.loads(self.runner.broadcast_bytes(json.dumps(value).encode()))
 

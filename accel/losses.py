@@ -67,12 +67,6 @@ class SoftTargetLoss:
         return soft_target_loss(model(inputs, *extras), targets)
 
 
-# The command line's loss function, in the public API's form (model, batch) -> loss: the
-# soft-target cross-entropy of the model's logits; the batch's random-erasing rectangles, where
-# it has them, go to the model.
-classifier_loss = SoftTargetLoss()
-
-
 def masked_sums(
     loss: torch.Tensor, correct: torch.Tensor, mask: torch.Tensor, correct5: torch.Tensor
 ) -> torch.Tensor:
@@ -114,19 +108,3 @@ class ClassificationSums:
     def __call__(self, model: Callable, batch: Tensors) -> dict[str, torch.Tensor]:
         inputs, labels, mask = self.classification_parts(batch)
         return named_sums(eval_sums(model(inputs), labels, mask))
-
-
-# The command line's evaluation in the public API's metric form (model, batch) -> sums: masked
-# loss, top-1 and top-5 over (images, labels, mask), the padding masked out.
-classifier_metrics = ClassificationSums()
-
-
-def summarise(sums: dict[str, float]) -> dict[str, float]:
-    """eval_loss, eval_acc, eval_acc5 and eval_images from summed classifier_metrics."""
-    count = max(sums["count"], 1.0)
-    return {
-        "eval_loss": sums["loss_sum"] / count,
-        "eval_acc": sums["correct"] / count,
-        "eval_acc5": sums["correct5"] / count,
-        "eval_images": int(count),
-    }

@@ -72,7 +72,7 @@ def main_step(args: argparse.Namespace):
 
     import accel
     from accel.cli.models.factory import ModelConfig, create_model
-    from accel.losses import classifier_loss
+    from accel.cli.task import classifier_loss
 
     model = create_model(ModelConfig(name=args.model, num_classes=args.num_classes))
     weights = [p for p in model.parameters() if p.ndim > 1]

@@ -693,8 +693,8 @@ def job_backend(cfg, ctx=None):
     for a process group the test started itself."""
     from accel.backends import backend_module
     from accel.cli.job import adamw, backend_config, run_model
+    from accel.cli.task import classifier_loss
     from accel.distributed import DistContext
-    from accel.losses import classifier_loss
     from accel.optim import OptimizerSpec
 
     model, init = run_model(cfg)

@@ -154,8 +154,8 @@ class Supports:
 
 @dataclass
 class BackendStats:
-    """What a backend tells of its run; summary.json holds these fields by these names (the
-    `details` by their own), and the report reads them there."""
+    """What a backend tells of its run (Engine.stats), by these names; `details` holds what only
+    this backend has, by its own."""
 
     graphs_compiled: int = 0  # programs or frames compiled in the run
     compiles_after_warmup: int = 0
@@ -173,7 +173,7 @@ class BackendStats:
     details: dict[str, Any] = field(default_factory=dict)  # what only this backend has
 
     def to_summary(self) -> dict[str, Any]:
-        """The fields as summary.json holds them, `details` among them."""
+        """The fields as one flat record, `details` among them."""
         fields = asdict(self)
         details = fields.pop("details")  # flat: no nested copy beside its fields
         return {**fields, **details}

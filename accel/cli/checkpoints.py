@@ -1,17 +1,83 @@
 """The command line's checkpoints: one every --save_every steps and at the end, the newest
 --keep_checkpoints kept, and --resume's checked against the run's options first. Writing and
-reading go through the Engine (`save`/`load`), as in a user's script: one checkpoint path."""
+reading go through the Engine (`save`/`load`), as in a user's script: one checkpoint path. The
+run folder's policy is the command line's own: its checkpoints are RUN/checkpoints/step_N.pt
+(or step_N.dcp where each rank writes its part), the newest N kept, the latest found by its step.
+"""
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import warnings
 from pathlib import Path
 from typing import Any
 
-from accel.checkpoint import CheckpointError, checkpoint_dir, latest_checkpoint, prune, read_meta
+from accel.checkpoint import PARTIAL, CheckpointError, first_line, read_meta
 from accel.cli.config import RunConfig, from_dict, get_path, global_batch, resume_keys
+from accel.config import ConfigError
 from accel.engine import Engine
+
+STEP_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")  # a checkpoint of the run's step N
+
+
+class StorageError(ConfigError):
+    """The run's folder cannot be written (full disk, permissions): one line naming the path and
+    what was kept, exit 2."""
+
+
+def storage_error(err: BaseException, run_dir: Path) -> StorageError:
+    """What a failed write says: why, where, and the newest checkpoint still on disk."""
+    reason = getattr(err, "strerror", None) or first_line(err)
+    where = getattr(err, "filename", None) or run_dir
+    latest = latest_checkpoint(run_dir)
+    kept = f"kept {latest}" if latest else f"no checkpoint kept in {run_dir}"
+    return StorageError(f"{reason}: cannot write {where}; {kept}")
+
+
+def checkpoint_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
+
+
+def step_of(path: Path) -> int | None:
+    """The step a checkpoint of the run was saved at (None: not one of its checkpoints)."""
+    found = STEP_NAME.match(path.name)
+    return int(found.group(1)) if found else None
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's checkpoints, oldest first."""
+    folder = checkpoint_dir(run_dir)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if step_of(p) is not None]
+    return sorted(found, key=lambda p: step_of(p) or 0)
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def prune(run_dir: Path, keep: int) -> None:
+    """All but the newest `keep` checkpoints removed (0: keep all)."""
+    for old in list_checkpoints(run_dir)[:-keep] if keep > 0 else []:
+        if old.is_dir():
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            old.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(run_dir: Path) -> None:
+    """Temporary files and folders a killed writer left (the run folder's lock says no other
+    writer is at work)."""
+    folder = checkpoint_dir(run_dir)
+    for tmp in folder.glob(PARTIAL) if folder.is_dir() else ():
+        if tmp.is_dir():
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:
+            tmp.unlink(missing_ok=True)
 
 
 def resume_mismatches(saved: RunConfig, current: RunConfig, saved_world: int, world: int) -> list:

@@ -9,8 +9,8 @@ from typing import Any, cast
 from accel.cli.config import RunConfig
 from accel.cli.data.loaders import build_eval_loader
 from accel.cli.models.factory import input_size
+from accel.cli.task import classifier_metrics, summarise
 from accel.engine import Engine
-from accel.losses import classifier_metrics, summarise
 
 EMA_SUFFIX = "_ema"
 

@@ -18,10 +18,10 @@ from torch import nn
 import accel
 from accel.cli.config import OptimConfig, ParallelConfig, RunConfig
 from accel.cli.models.factory import ImageClassifier, create_model, meta_model
+from accel.cli.task import classifier_loss
 from accel.config import BackendConfig, CompilerConfig, MeshConfig, StepConfig
 from accel.engine import Engine
 from accel.loop import LoopPart
-from accel.losses import classifier_loss
 
 Settings = dict[str, tuple[float, float]]  # parameter name -> (lr scale, weight decay)
 

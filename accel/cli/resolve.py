@@ -12,8 +12,8 @@ import torch
 
 from accel.backends import check_supported, resolve_backend
 from accel.backends.base import BackendModule
-from accel.checkpoint import latest_checkpoint, read_meta
-from accel.cli.checkpoints import resume_mismatches, saved_config
+from accel.checkpoint import read_meta
+from accel.cli.checkpoints import latest_checkpoint, resume_mismatches, saved_config
 from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, validate
 from accel.cli.data.augment import check_augment
 from accel.cli.data.config import DataConfig

@@ -17,8 +17,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
-from accel.checkpoint import remove_stale_temporaries, storage_error
-from accel.cli.checkpoints import CheckpointManager
+from accel.cli.checkpoints import CheckpointManager, remove_stale_temporaries, storage_error
 from accel.cli.config import RunConfig
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.evaluation import Evaluator

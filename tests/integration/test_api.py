@@ -15,12 +15,12 @@ from torch import nn
 
 import accel
 from accel.backends.base import Backend
-from accel.checkpoint import latest_checkpoint
+from accel.cli.checkpoints import latest_checkpoint
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.job import LRSchedule, param_groups, parameter_settings
 from accel.cli.models.factory import create_model
+from accel.cli.task import classifier_loss
 from accel.cli.train import Trainer, host_tuple, seed_everything
-from accel.losses import classifier_loss
 from tests.helpers import (
     HAS_XLA,
     LR,

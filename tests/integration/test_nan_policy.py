@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from accel import checkpoint as ckpt
+from accel.cli import checkpoints as ckpt
 from accel.cli.launch import EXIT_NONFINITE, main
 from accel.cli.train import Trainer
 from tests import nan_model

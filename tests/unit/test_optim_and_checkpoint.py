@@ -4,13 +4,8 @@ import os
 import pytest
 import torch
 
-from accel.checkpoint import (
-    checkpoint_dir,
-    latest_checkpoint,
-    list_checkpoints,
-    prune,
-    write_file,
-)
+from accel.checkpoint import write_file
+from accel.cli.checkpoints import checkpoint_dir, latest_checkpoint, list_checkpoints, prune
 from accel.cli.config import OptimConfig
 from accel.cli.job import LRSchedule, parameter_settings
 from accel.cli.models.factory import ModelConfig, create_model

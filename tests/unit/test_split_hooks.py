@@ -9,13 +9,12 @@ import torch
 from torch import nn
 
 from accel.cli.models import ModelConfig, create_model
+from accel.cli.task import classifier_loss, classifier_metrics
 from accel.losses import (
     ClassificationBatches,
     ClassificationSums,
     SoftTargetBatches,
     SoftTargetLoss,
-    classifier_loss,
-    classifier_metrics,
     soft_target_loss,
 )
 from accel.parallel import fsdp, pipeline, tp_head
