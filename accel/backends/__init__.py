@@ -1,10 +1,9 @@
 """Backends by name, what each supports, and which one a process runs. Adding one means adding
 a folder `accel/backends/<name>/` whose __init__ gives SUPPORTS, require(), context() and
-build() (see base.py), its module to BACKEND_MODULES and its name to config.BackendName."""
+build() (see base.py), a loader for it in REGISTRY and its name to config.BackendName."""
 
 from __future__ import annotations
 
-import importlib
 import os
 from collections.abc import Callable, Mapping
 
@@ -15,12 +14,41 @@ from accel.config import BACKENDS, BackendConfig, ConfigError
 from accel.distributed import processes_joining
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
-# Where each backend lives: a module, or a package whose __init__ gives BackendModule's names.
-BACKEND_MODULES = {
-    "eager": "accel.backends.torch_family.eager",
-    "compile": "accel.backends.torch_family.compile",
-    "xla": "accel.backends.xla",
-    "jax": "accel.backends.jax",
+
+
+# Each backend's module (or package whose __init__ gives BackendModule's names), imported when a
+# backend of that name is first asked for: importing accel imports no framework. Written as
+# imports, not module names, so that a reader (and an editor's "go to definition") follows each
+# to the module whose build() makes the backend.
+def _eager() -> BackendModule:
+    from accel.backends.torch_family import eager
+
+    return eager  # type: ignore[return-value]  # a module that provides BackendModule's names
+
+
+def _compile() -> BackendModule:
+    from accel.backends.torch_family import compile
+
+    return compile  # type: ignore[return-value]
+
+
+def _xla() -> BackendModule:
+    from accel.backends import xla
+
+    return xla  # type: ignore[return-value]
+
+
+def _jax() -> BackendModule:
+    from accel.backends import jax
+
+    return jax  # type: ignore[return-value]
+
+
+REGISTRY: dict[str, Callable[[], BackendModule]] = {
+    "eager": _eager,
+    "compile": _compile,
+    "xla": _xla,
+    "jax": _jax,
 }
 
 
@@ -55,10 +83,10 @@ def backend_module(name: str, check: bool = True) -> BackendModule:
     """The module of backend `name`; with `check`, raises BackendUnavailable where it cannot run."""
     if name not in BACKENDS:
         raise ConfigError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
-    module = importlib.import_module(BACKEND_MODULES[name])
+    module = REGISTRY[name]()
     if check:
         module.require()
-    return module  # type: ignore[return-value]  # a module that provides BackendModule's names
+    return module
 
 
 def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
@@ -136,7 +164,7 @@ def support_matrix(label: Callable[[str], str] = str) -> str:
     >>> print(support_matrix().splitlines()[2])
     | amp= | O0, O1, O2, O3 | O0, O1, O2, O3 | O0, O1, O2, O3 | O0, O1, O2, O3 |
     """
-    tables = {b: importlib.import_module(BACKEND_MODULES[b]).SUPPORTS for b in BACKENDS}
+    tables = {b: REGISTRY[b]().SUPPORTS for b in BACKENDS}
 
     def mark(value, key: str) -> str:
         if isinstance(value, bool):

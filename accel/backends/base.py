@@ -208,35 +208,6 @@ class SinceStart:
         return {name: value - self.start.get(name, 0) for name, value in now.items()}
 
 
-class Forwarded:
-    """A Backend method that one part of a backend does, named once in the class body:
-    `train_step = Forwarded("step")` is `self.step.train_step`, and `Forwarded("step",
-    "compiled")` is `self.step.compiled`. The backends composed of parts (xla, jax) keep only
-    what differs from their parts' own methods.
-
-    >>> class Part:
-    ...     def twice(self, x):
-    ...         return 2 * x
-    >>> class Composed:
-    ...     twice = Forwarded("part")
-    ...     def __init__(self):
-    ...         self.part = Part()
-    >>> Composed().twice(3)
-    6
-    """
-
-    def __init__(self, part: str, method: str = ""):
-        self.part, self.method = part, method
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.method = self.method or name
-
-    def __get__(self, obj: object, owner: type | None = None) -> Any:
-        if obj is None:
-            return self
-        return getattr(getattr(obj, self.part), self.method)
-
-
 @runtime_checkable
 class Backend(Protocol):
     name: str

@@ -342,8 +342,8 @@ def test_the_recompile_limit_stops_every_compiling_backend_alike_in_one_line(bac
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_method_takes_the_contracts_parameters_and_defaults(backend, tmp_path):
-    """A Backend method that one of the backend's parts does (base.Forwarded) is the part's own
-    method: it takes what the contract (base.Backend) promises, defaults included."""
+    """Every method of the contract (base.Backend), whichever part of a backend does it, takes
+    what the contract promises, defaults included."""
     built = job_backend(micro_config(tmp_path, backend=backend))
     for name, contract in vars(Backend).items():
         if name.startswith("_") or not inspect.isfunction(contract):

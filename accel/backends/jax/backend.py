@@ -5,7 +5,7 @@ the programs XLA compiles)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import jax
@@ -15,10 +15,12 @@ import accel.backends.jax.runtime as runtime
 from accel.backends.base import (
     BackendBase,
     BackendStats,
-    Forwarded,
+    Batch,
     LossFn,
+    MetricFn,
     ModelInit,
     SinceStart,
+    StepResult,
     split_batch,
 )
 from accel.backends.jax.attention import AttentionKernels
@@ -97,18 +99,43 @@ class JaxBackend(BackendBase):
         return self.state.optimizer
 
     # --- what its parts do ---------------------------------------------------------------------
-    device_batches = Forwarded("runtime")
-    any_rank = Forwarded("runtime")
-    broadcast_bytes = Forwarded("runtime")
-    fetch_results = Forwarded("step")
-    step_compiles = Forwarded("step", "compiled")
-    evaluate_sums = Forwarded("evaluation", "sums")
-    forward = Forwarded("evaluation")
-    checkpoint_state = Forwarded("state")
-    load_checkpoint_state = Forwarded("state")
-    live_state = Forwarded("state")
-    rng_state = Forwarded("state")
-    load_rng_state = Forwarded("state")
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
+        return self.runtime.device_batches(batches)
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.runtime.any_rank(flag)
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        return self.runtime.broadcast_bytes(data)
+
+    def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
+        return self.step.fetch_results(handles)
+
+    def step_compiles(self) -> int:
+        return self.step.compiled()
+
+    def evaluate_sums(
+        self, batches: Iterable[Any], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        return self.evaluation.sums(batches, metric_fn, ema)
+
+    def forward(self, inputs: tuple) -> Any:
+        return self.evaluation.forward(inputs)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.state.checkpoint_state()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.state.load_checkpoint_state(state)
+
+    def live_state(self) -> dict[str, Any]:
+        return self.state.live_state()
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return self.state.rng_state()
+
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.state.load_rng_state(state)
 
     # --- training -----------------------------------------------------------------------------
     def split(self, batch: tuple, parts: int) -> list[tuple]:

@@ -4,7 +4,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,11 @@ from accel.backends.base import (
     BackendBase,
     BackendStats,
     BackendUnavailable,
-    Forwarded,
+    Batch,
     LossFn,
+    MetricFn,
     ModelInit,
+    StepResult,
     classifier_parameters,
 )
 from accel.backends.torch_family.core import TorchCore, live_tensors
@@ -85,21 +88,55 @@ class XlaBackend(BackendBase):
         self.step.adopt(loss_fn)
 
     # --- what its parts do -----------------------------------------------------------------------
-    device_batches = Forwarded("batches")
-    autocast = Forwarded("step")
-    split = Forwarded("step")
-    train_step = Forwarded("step")
-    fetch_results = Forwarded("step")
-    evaluate_sums = Forwarded("step")
-    forward = Forwarded("step")
-    checkpoint_state = Forwarded("layout")
-    load_checkpoint_state = Forwarded("layout")
-    rng_state = Forwarded("devices")
-    load_rng_state = Forwarded("devices")
-    any_rank = Forwarded("devices")
-    broadcast_bytes = Forwarded("devices")
-    synchronize = Forwarded("devices")
-    step_compiles = Forwarded("compiles")
+    def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
+        return self.batches.device_batches(batches)
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """XLA's autocast at the config's AMP level (a no-op at O0)."""
+        return self.step.autocast()
+
+    def split(self, batch: tuple, parts: int) -> list[Any]:
+        return self.step.split(batch, parts)
+
+    def train_step(
+        self, micro_batches: list[Any], lr: float | list[float], ema_decay: float = 0.0
+    ) -> Any:
+        return self.step.train_step(micro_batches, lr, ema_decay)
+
+    def fetch_results(self, handles: list[Any]) -> list[StepResult]:
+        return self.step.fetch_results(handles)
+
+    def evaluate_sums(
+        self, batches: Iterable[Any], metric_fn: MetricFn, ema: bool = False
+    ) -> dict[str, float]:
+        return self.step.evaluate_sums(batches, metric_fn, ema)
+
+    def forward(self, inputs: tuple) -> Any:
+        return self.step.forward(inputs)
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return self.layout.checkpoint_state()
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        self.layout.load_checkpoint_state(state)
+
+    def rng_state(self) -> dict[str, torch.Tensor]:
+        return self.devices.rng_state()
+
+    def load_rng_state(self, state: dict[str, torch.Tensor]) -> None:
+        self.devices.load_rng_state(state)
+
+    def any_rank(self, flag: bool) -> bool:
+        return self.devices.any_rank(flag)
+
+    def broadcast_bytes(self, data: bytes) -> bytes:
+        return self.devices.broadcast_bytes(data)
+
+    def synchronize(self) -> None:
+        self.devices.synchronize()
+
+    def step_compiles(self) -> int:
+        return self.compiles.step_compiles()
 
     def lowered_step(
         self, micro_batches: list[tuple], lr: float | list[float], platforms: Sequence[str] = ()
