@@ -96,10 +96,11 @@ class LinearWatch:
 
 
 def _lowered_step(engine, batch: int) -> str:
-    """The jax step as StableHLO text, for the shapes the case trained on."""
+    """The jax step as StableHLO text with its locations (the ops' jax names), for the shapes
+    the case trained on."""
     images = torch.zeros((batch, 3, 32, 32), dtype=torch.uint8)
     targets = torch.full((batch, 10), 0.1)
-    return engine.lowered_step(images, targets).as_text()
+    return engine.lowered_step(images, targets).as_text(debug_info=True)
 
 
 def _dot_operand_dtypes(text: str) -> set[str]:
@@ -170,7 +171,9 @@ def _train_case(out: Path, backend: str, model: str, level: str, kernel_opt: boo
             "step": _dot_operand_dtypes(text),
             "optimizer": weights,  # optax updates the stored weights themselves
             "attention_calls": sum(shape["calls"] for shape in shapes),
-            "recomputes": "optimization_barrier" in text,  # jax.checkpoint's mark
+            # jax.checkpoint's name for what it runs again (an optimization barrier alone is not
+            # its mark: XLA's attention holds its probabilities behind one)
+            "recomputes": "rematted_computation" in text,
         }
     masters = live.get("masters", {})  # the optimizer's fp32 copies, where it keeps them (O2)
     return {

@@ -163,15 +163,29 @@ def padded_attention(
 
 
 # --- XLA's attention with flash attention's memory: nothing T x S kept for the backward -------
+def _wide_matmul(spec: str, a: jax.Array, b: jax.Array, exact: bool = False) -> jax.Array:
+    """einsum(spec, a, b) into float32 from low-precision operands. On GPU the operands stay in
+    their dtype (the matmul units' own, and no float32 copy); `exact` names jax's algorithm for
+    bf16 x bf16 into float32, as jax.nn.dot_product_attention names it for its logits, so that
+    both give the same values. XLA:CPU has no such dot (it fails when run, not when traced):
+    there the operands are widened first, which is exact (a product of two bf16 or f16 values
+    is exact in float32)."""
+    f32 = jnp.float32
+    if a.dtype == f32 and b.dtype == f32:
+        return jnp.einsum(spec, a, b)
+    precision = (
+        jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if exact and a.dtype == jnp.bfloat16 else None
+    )
+    return jax.lax.platform_dependent(
+        cpu=lambda: jnp.einsum(spec, a.astype(f32), b.astype(f32)),
+        default=lambda: jnp.einsum(spec, a, b, precision=precision, preferred_element_type=f32),
+    )
+
+
 def _logits(query, key, bias, mask, scale: float, is_causal: bool) -> jax.Array:
     """[B, N, T, S] float32 logits, scaled, biased and masked (a masked position the lowest
     float, as jax.nn.dot_product_attention masks)."""
-    # jax's own: bf16 x bf16 multiplied into float32 (its algorithm named where the inputs are
-    # bf16, as jax.nn.dot_product_attention names it, so that both give the same logits).
-    precision = jax.lax.DotAlgorithmPreset.BF16_BF16_F32 if query.dtype == jnp.bfloat16 else None
-    logits = jnp.einsum(
-        "BTNH,BSNH->BNTS", query, key, precision=precision, preferred_element_type=jnp.float32
-    )
+    logits = _wide_matmul("BTNH,BSNH->BNTS", query, key, exact=True)
     logits = logits * jnp.float32(scale)
     if bias is not None:
         logits = logits + bias.astype(jnp.float32)
@@ -206,13 +220,13 @@ def _attention_backward(scale: float, is_causal: bool, saved: tuple, grad: jax.A
     query, key, value, bias, _, out, low_probs = saved
     f32 = jnp.float32
     probs = low_probs.astype(f32)
-    d_value = jnp.einsum("BNTS,BTNH->BSNH", low_probs, grad, preferred_element_type=f32)
-    d_probs = jnp.einsum("BTNH,BSNH->BNTS", grad, value, preferred_element_type=f32)
+    d_value = _wide_matmul("BNTS,BTNH->BSNH", low_probs, grad)
+    d_probs = _wide_matmul("BTNH,BSNH->BNTS", grad, value)
     delta = jnp.einsum("BTNH,BTNH->BNT", grad.astype(f32), out.astype(f32))[..., None]
     d_logits = probs * (d_probs - delta)
     low = d_logits.astype(query.dtype)  # flash attention's: the gradient's matmuls in bf16
-    d_query = jnp.einsum("BNTS,BSNH->BTNH", low, key, preferred_element_type=f32) * scale
-    d_key = jnp.einsum("BNTS,BTNH->BSNH", low, query, preferred_element_type=f32) * scale
+    d_query = _wide_matmul("BNTS,BSNH->BTNH", low, key) * scale
+    d_key = _wide_matmul("BNTS,BTNH->BSNH", low, query) * scale
     d_bias = None if bias is None else _summed_to(d_logits, bias.shape).astype(bias.dtype)
     return (
         d_query.astype(query.dtype),
