@@ -13,10 +13,31 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accel.api import choose_backend, prepare
+    from accel.backends.base import BackendUnavailable, RecompileError
     from accel.engine import AccelError, Engine, StepResult
+    from accel.settings import Settled, settle, with_keywords
 
-__all__ = ["AccelError", "Engine", "StepResult", "choose_backend", "prepare"]
-HOMES = {"choose_backend": "accel.api", "prepare": "accel.api"}  # the rest: accel.engine
+__all__ = [
+    "AccelError",
+    "BackendUnavailable",
+    "Engine",
+    "RecompileError",
+    "Settled",
+    "StepResult",
+    "choose_backend",
+    "prepare",
+    "settle",
+    "with_keywords",
+]
+HOMES = {
+    "choose_backend": "accel.api",
+    "prepare": "accel.api",
+    "BackendUnavailable": "accel.backends.base",
+    "RecompileError": "accel.backends.base",
+    "Settled": "accel.settings",
+    "settle": "accel.settings",
+    "with_keywords": "accel.settings",
+}  # the rest: accel.engine
 
 
 def __getattr__(name: str) -> Any:

@@ -1,73 +1,42 @@
 """accel.prepare: a model, its optimizer and its loss put on a backend, as an Engine. The
 backend comes from `backend=`, else ACCEL_BACKEND, else USE_ACCEL=1, else eager; its settings
-from the keywords or one `config=` (accel/config.py), settled and checked here once."""
+from the keywords, a shorthand for one `config=` (accel/config.py), settled and checked once by
+accel/settings.py."""
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-import multiprocessing
-import os
 import sys
-import warnings
 from collections.abc import Mapping
-from dataclasses import replace
-from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
-from accel.backends import check_supported, resolve_backend
-from accel.backends.base import (
-    BackendUnavailable,
-    LossFn,
-    ModelInit,
-)
+from accel.backends import resolve_backend
+from accel.backends.base import BackendUnavailable, LossFn, ModelInit
 from accel.checkpoint import flatten
 from accel.config import (
-    AMP_LEVELS,
-    ATTENTION_CHOICES,
-    REMAT_CHOICES,
-    SHARD_MODES,
     AccelError,
     AmpDtype,
     AmpLevel,
     AttentionChoice,
     BackendConfig,
     BackendName,
-    MeshConfig,
+    EmaDecayFn,
     RematChoice,
     ShardMode,
-    StepConfig,
-    shared_compile_cache,
 )
 from accel.distributed import first_difference, init_process_group
-from accel.engine import EmaDecayFn, Engine
+from accel.engine import Engine
 from accel.loop import LoopPart
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+from accel.settings import settle, with_keywords
 from accel.ties import tied_names
 from accel.user_model import TrainedOnRead
 from accel.workers import fork_server
 
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
-
-
-def cache_dir(backend: str) -> Path:
-    """Where compiled programs persist between runs (JAX's and torch_xla's persistent caches):
-    ACCEL_COMPILE_CACHE/BACKEND where that is set, else the user's cache folder."""
-    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    return shared_compile_cache(backend) or root / "accel" / backend
-
-
-def env_int(name: str, default: int) -> int:
-    raw = os.environ.get(name, "").strip()
-    if not raw:
-        return default
-    if not raw.isdigit():
-        raise AccelError(f"{name} must be a whole number, got '{raw}'")
-    return int(raw)
 
 
 def choose_backend(requested: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
@@ -85,20 +54,20 @@ def prepare(
     loss_fn: LossFn,
     *,
     schedule: Schedule = None,
-    clip_grad: float = 0.0,
-    accum: int = 1,
-    amp: AmpLevel = "O0",
-    amp_dtype: AmpDtype = "bfloat16",
+    clip_grad: float | None = None,
+    accum: int | None = None,
+    amp: AmpLevel | None = None,
+    amp_dtype: AmpDtype | None = None,
     ema: float | EmaDecayFn | None = None,
     backend: BackendName | None = None,
     devices: int | None = None,
-    shard: ShardMode = "none",
-    tp: int = 1,
+    shard: ShardMode | None = None,
+    tp: int | None = None,
     tp_plan: Mapping[str, str] | None = None,
-    pp: int = 1,
-    seed: int = 0,
-    attention: AttentionChoice = "auto",
-    remat: RematChoice = "none",
+    pp: int | None = None,
+    seed: int | None = None,
+    attention: AttentionChoice | None = None,
+    remat: RematChoice | None = None,
     quiet: bool = False,
     init: ModelInit | None = None,
     state: LoopPart | None = None,
@@ -163,30 +132,22 @@ def prepare(
         the optimizer steps (default: a step count alone).
     config: every backend setting at once, as the library's typed config (accel.config:
         StepConfig, MeshConfig and CompilerConfig: the split classifier, the pipeline, remat,
-        compile cache and recompile limits among them); the keywords above then stay unset.
+        compile cache and recompile limits among them). It is the base: each keyword above that
+        is given sets its field over it (`config=cfg, ema=0.999` is cfg with that EMA). Left
+        unset, a keyword takes the config's value, whose defaults are those written above.
     """
     if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
         raise AccelError("prepare runs as the script is imported: call it under its main guard")
-    keywords = dict(
-        backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
-        devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
+    config = with_keywords(
+        config, backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
+        ema=ema, devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
         attention=attention, remat=remat,
     )  # fmt: skip
-    given = [k for k, v in keywords.items() if v != CONFIG_KEYWORDS[k]]
-    if config is not None and given:
-        raise AccelError(
-            f"give the backend's settings as config= or as keywords, not both ({', '.join(given)}"
-            " given with config=)"
-        )
-    config = config or keyword_config(ema=ema is not None, **keywords)
-    if config.step.ema and ema is None:
-        ema = DEFAULT_EMA_DECAY
-    name, why = choose_backend(config.backend or None)
-    config = settled(config, name, ema)
-    try:  # it runs here, and runs every setting given (float16, a shard mode, ...)
-        module = check_supported(config)
+    try:  # checked once, here as on the command line; the backend runs here and every setting
+        settled = settle(config)
     except BackendUnavailable as err:
         raise AccelError(str(err)) from None
+    config, module = settled.config, settled.module
     if not any(p.requires_grad for p in model.parameters()):
         raise AccelError(
             f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
@@ -208,23 +169,30 @@ def prepare(
         init_process_group(ctx)
         check_same_on_every_rank(config)
     runner = module.build(config, ctx)
-    if runner.threaded and multiprocessing.get_start_method(allow_none=True) is None:
-        # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and
-        # Python warns of it: the script's DataLoaders start theirs from a fork server (Python
-        # 3.14's default on Linux), unless the script chose a start method itself. The server
-        # imports torch and the script once, not each worker of each pass.
-        multiprocessing.set_start_method("forkserver")
-        fork_server.preload()
+    # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and Python
+    # warns of it: the script's DataLoaders start theirs from a fork server (Python 3.14's
+    # default on Linux), unless the script chose a start method itself. The server imports
+    # torch and the script once, not each worker of each pass. engine.close() puts it back.
+    fork_server_use = fork_server.use_fork_server() if runner.threaded else None
     runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
-        print(f"accel: {name} backend ({why})", file=sys.stderr, flush=True)
-    decay = ema if callable(ema) else (ema or 0.0) if config.step.ema else 0.0
+        print(f"accel: {config.backend} backend ({settled.why})", file=sys.stderr, flush=True)
     # The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
-    # does, so torch's warning that the scheduler stepped first would be wrong every time.
-    warnings.filterwarnings("ignore", r"Detected call of `lr_scheduler\.step\(\)` before")
+    # does, so torch's warning that the scheduler stepped first would be wrong every time. torch
+    # marks an optimizer that has stepped with `_opt_called` (set by the step its schedulers
+    # wrap, no public API): set on this optimizer alone, rather than a process-wide filter.
+    optimizer._opt_called = True  # type: ignore[attr-defined]
     rates = LearningRates(spec, schedule, optimizer)
     engine = Engine(
-        runner, ctx, rates, config.step.accum, decay, state, config.compiler.max_recompiles, model
+        backend=runner,
+        ctx=ctx,
+        rates=rates,
+        accum=config.step.accum,
+        ema=config.step.ema,
+        state=state,
+        max_recompiles=config.compiler.max_recompiles,
+        model_given=model,
+        on_close=fork_server_use.undo if fork_server_use else None,
     )
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
@@ -237,10 +205,21 @@ def check_same_on_every_rank(cfg: BackendConfig) -> None:
     built, where the build would hang in a collective or each rank would train differently. The
     compile cache is the host's own, and may differ."""
     settings = flatten(dataclasses.asdict(cfg))
-    mine = {k.split(".", 1)[-1]: v for k, v in settings.items() if k != "compiler.cache_dir"}
+    mine = {
+        k.split(".", 1)[-1]: described(v) for k, v in settings.items() if k != "compiler.cache_dir"
+    }
     difference = first_difference(mine)
     if difference:
         raise AccelError(f"the ranks called prepare with different options: {difference}")
+
+
+def described(value: object) -> object:
+    """A setting as the ranks compare it: a function (an EMA decay's) by its qualified name,
+    a callable object by its repr, the same on every rank where their addresses are not."""
+    if not callable(value):
+        return value
+    name = getattr(value, "__qualname__", None)
+    return f"{value.__module__}.{name}" if name else repr(value)
 
 
 def check_ties(model: nn.Module, cfg: BackendConfig, splits: dict[str, int]) -> None:
@@ -277,54 +256,6 @@ def check_float32(model: nn.Module) -> None:
         "model (model.float()) and choose the precision with amp= ('O1' autocast, 'O2' "
         "bfloat16 weights with float32 masters, 'O3' all in bfloat16)"
     )
-
-
-DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default, for config=StepConfig(ema=True)
-# prepare's keywords that are also BackendConfig fields, with their defaults: read from its
-# signature, so that the defaults are written once.
-CONFIG_KEYWORDS = {
-    name: parameter.default
-    for name, parameter in inspect.signature(prepare).parameters.items()
-    if name in ("backend", "clip_grad", "accum", "amp", "amp_dtype", "devices", "shard", "tp")
-    or name in ("tp_plan", "pp", "seed", "attention", "remat")
-}
-
-
-def keyword_config(ema: bool, **keywords: Any) -> BackendConfig:
-    """prepare's keywords (those of CONFIG_KEYWORDS) as the library's config, checked later by
-    `settled`; `ema`: whether an EMA is kept."""
-    k = keywords
-    step = StepConfig(
-        k["amp"], k["amp_dtype"], k["clip_grad"], k["accum"], ema, k["seed"],
-        attention=k["attention"], remat=k["remat"],
-    )  # fmt: skip
-    mesh = MeshConfig(k["devices"] or 0, k["shard"], k["tp"], k["tp_plan"], pp=k["pp"])
-    return BackendConfig(k["backend"] or "", step, mesh)  # type: ignore[arg-type]  # "": open
-
-
-def settled(cfg: BackendConfig, name: str, ema: float | EmaDecayFn | None) -> BackendConfig:
-    """`cfg` checked, on backend `name`, with what was left open filled in."""
-    step, mesh = cfg.step, cfg.mesh
-    if step.amp not in AMP_LEVELS:
-        raise AccelError(f"amp must be one of {', '.join(AMP_LEVELS)}, got '{step.amp}'")
-    if mesh.shard not in SHARD_MODES:
-        raise AccelError(f"shard must be one of {', '.join(SHARD_MODES)}, got '{mesh.shard}'")
-    if step.remat not in REMAT_CHOICES:
-        raise AccelError(f"remat must be one of {', '.join(REMAT_CHOICES)}, got {step.remat!r}")
-    if step.attention not in ATTENTION_CHOICES:
-        raise AccelError(
-            f"attention must be one of {', '.join(ATTENTION_CHOICES)}, got '{step.attention}'"
-        )
-    if isinstance(ema, float | int) and not 0 <= ema < 1:
-        raise AccelError(f"ema is a decay in [0, 1), got {ema}")
-    if not mesh.devices:
-        mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1))
-    if min(step.accum, mesh.devices, mesh.tp, mesh.pp) < 1:
-        raise AccelError("accum, devices, tp and pp must be at least 1")
-    compiler = cfg.compiler
-    if not compiler.cache_dir:
-        compiler = replace(compiler, cache_dir=str(cache_dir(name)))
-    return replace(cfg, backend=name, mesh=mesh, compiler=compiler)  # type: ignore[arg-type]
 
 
 __all__ = ["choose_backend", "prepare"]

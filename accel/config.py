@@ -4,13 +4,13 @@ nothing of the command line (its options live in accel/cli/config.py and are tur
     from accel.config import BackendConfig, StepConfig
 
     cfg = BackendConfig("eager", step=StepConfig(amp="O1", clip_grad=1.0))
-    assert cfg.step.accum == 1 and cfg.mesh.devices == 1
+    assert cfg.step.accum == 1 and cfg.mesh.tp == 1
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, get_args
@@ -31,6 +31,8 @@ PP_SCHEDULES: tuple[str, ...] = get_args(PipelineSchedule)
 ATTENTION_CHOICES: tuple[str, ...] = get_args(AttentionChoice)
 REMAT_CHOICES: tuple[str, ...] = get_args(RematChoice)
 
+EmaDecayFn = Callable[[int], float]  # the EMA decay by the optimizer steps done, this one included
+
 
 class ConfigError(ValueError):
     """Bad user input: reported as one line (the command line's exit code 2)."""
@@ -45,7 +47,9 @@ class StepConfig:
 
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
     clip_grad: the gradients' global norm limit (0: none). accum: micro-batches a step's batch
-    is split into. ema: keep an exponential moving average of the weights. seed: the random
+    is split into. ema: the decay of an exponential moving average of the weights kept beside
+    them (0: none; timm's default is 0.9998), or a function of the optimizer steps done, this
+    one included, giving it. seed: the random
     draws inside a step, a stream per data replica (accel.prepare). remat: recompute each
     block's activations in the backward ("none"; "dots": keep its matmuls' outputs, recompute
     the rest; "full": recompute all of it; accel/parallel/remat.py). kernel_opt: the backend's
@@ -59,7 +63,7 @@ class StepConfig:
     amp_dtype: AmpDtype = "bfloat16"
     clip_grad: float = 0.0
     accum: int = 1
-    ema: bool = False
+    ema: float | EmaDecayFn = 0.0
     seed: int = 0
     remat: RematChoice = "none"
     kernel_opt: bool = False
@@ -70,16 +74,17 @@ class StepConfig:
 class MeshConfig:
     """How replicas and the model's parts are laid out.
 
-    devices: devices one process drives (xla's SPMD mesh, jax's local devices); under torchrun
-    each process is one replica. shard: none, full (weights, gradients and optimizer state
-    split over the data replicas) or grad_op (gradients and optimizer state only). tp: ranks
+    devices: devices one process drives (xla's SPMD mesh, jax's local devices; 0: ACCEL_DEVICES,
+    else 1, settled by accel.settings.settle); under torchrun each process is one replica.
+    shard: none, full (weights, gradients and optimizer state split over the data replicas) or
+    grad_op (gradients and optimizer state only). tp: ranks
     each transformer block's linear layers are split over (Megatron's columns and rows); tp_plan:
     which layers, {module name pattern: style} (accel.parallel.tensor_parallel; default: found
     by module type in timm's and torchvision's ViT and Swin). tp_head: ranks the classifier's
     classes are split over (the tensor-parallel ranks). pp: pipeline stages.
     """
 
-    devices: int = 1
+    devices: int = 0
     shard: ShardMode = "none"
     tp: int = 1
     tp_plan: Mapping[str, str] | None = None
@@ -103,7 +108,7 @@ class CompilerConfig:
     are tolerated (-1: any), how far batches are prefetched, and how xla reduces gradients
     across processes."""
 
-    cache_dir: str = ""  # "" : accel.api.cache_dir(backend)
+    cache_dir: str = ""  # "": accel.settings.cache_dir(backend)
     max_recompiles: int = -1
     loader_prefetch: int = 8
     device_prefetch: int = 4

@@ -33,14 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import (
-    Backend,
-    BackendStats,
-    BackendUnavailable,
-    MetricFn,
-    RecompileError,
-    StepResult,
-)
+from accel.backends.base import Backend, BackendStats, BackendUnavailable, MetricFn, StepResult
 from accel.checkpoint import (
     BackendTensors,
     CheckpointParts,
@@ -49,25 +42,23 @@ from accel.checkpoint import (
     read_meta,
     save_checkpoint,
 )
-from accel.config import AccelError
+from accel.config import AccelError, EmaDecayFn
 from accel.distributed import DistContext
 from accel.loop import (
     LoopPart,
     SkipWatch,
     StepCount,
+    check_recompiles,
     check_sharded,
     check_workers,
     checked_batch,
     compiled_again,
-    recompile_cause,
     say,
     user_errors,
 )
 from accel.optim import LearningRates
 from accel.parallel.fsdp import full_value
 from accel.user_model import EvalModel
-
-EmaDecayFn = Callable[[int], float]  # the EMA decay by the optimizer steps done, this one included
 
 
 class Engine:
@@ -88,6 +79,7 @@ class Engine:
 
     def __init__(
         self,
+        *,
         backend: Backend,
         ctx: DistContext,
         rates: Callable[[int], float | list[float]],
@@ -96,12 +88,14 @@ class Engine:
         state: LoopPart | None = None,
         max_recompiles: int = -1,
         model_given: nn.Module | None = None,
+        on_close: Callable[[], None] | None = None,
     ):
         """Made by `prepare` (not public). `rates`: the learning rate(s) of a step, by the steps
         done before it; `ema`: the EMA decay (0: none) or a function of the steps done, this one
         included; `state`: the loop state checkpoints carry; `max_recompiles`: graphs compiled
-        after warm-up before a step stops (-1: any); `model_given`: the model prepare had."""
-        self.runner, self._ctx, self.rates = backend, ctx, rates
+        after warm-up before a step stops (-1: any); `model_given`: the model prepare had;
+        `on_close`: puts back what prepare changed in the process (`close`)."""
+        self.runner, self._ctx, self.rates, self.on_close = backend, ctx, rates, on_close
         self.accum, self.ema = accum, ema
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
@@ -114,6 +108,18 @@ class Engine:
         self.changes = 0  # steps and loads so far: what changed the trained weights
         self.synced = 0  # the changes the given model holds (sync_model)
         self.reading = False  # the engine reads the given model: its read hooks stand by
+
+    def close(self) -> None:
+        """Puts back what `prepare` changed in the process (DataLoader workers' start method,
+        the fork server's preload; docs/api.md lists what stays). `with accel.prepare(...)`."""
+        undo, self.on_close = self.on_close or (lambda: None), None
+        undo()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def steps_done(self) -> int:
@@ -207,7 +213,10 @@ class Engine:
         self.changes += 1
         new = shapes not in self.shapes_seen  # a compiling backend compiled the step for them
         self.shapes_seen.add(shapes)
-        self.check_recompiles()  # past the limit: the error, not the notice
+        check_recompiles(  # past the limit: the error, not the notice
+            self.max_recompiles, self.compiles_after_warmup(), self.shapes_seen,
+            self.runner.explain_compiles,
+        )  # fmt: skip
         if new and before is not None and self.runner.compiles_per_shape and self.is_main:
             say(compiled_again(self.backend, time.perf_counter() - started, shapes, before))
         return handle
@@ -221,15 +230,6 @@ class Engine:
             return self.runner.lowered_step(self.micro_batches(batch), rates, tuple(platforms))
         except BackendUnavailable as err:
             raise AccelError(str(err)) from None
-
-    def check_recompiles(self) -> None:
-        """More graphs compiled after warm-up than `max_recompiles` (CompilerConfig): stop, in
-        one line naming the likely cause. The policy of every backend that compiles."""
-        limit, compiled = self.max_recompiles, self.compiles_after_warmup()
-        if limit < 0 or compiled <= limit:
-            return
-        cause = recompile_cause(self.shapes_seen, self.runner.explain_compiles)
-        raise RecompileError(f"{compiled} graphs compiled after warm-up (limit {limit}): {cause}")
 
     def micro_batches(self, batch: tuple) -> list[tuple]:
         size = batch[0].shape[0]

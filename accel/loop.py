@@ -109,6 +109,15 @@ def compiled_again(backend: str, seconds: float, shapes: tuple, before: tuple) -
     )
 
 
+def check_recompiles(limit: int, compiled: int, shapes_seen: set[tuple], explain: str) -> None:
+    """More graphs compiled after warm-up than `limit` (CompilerConfig's max_recompiles, -1:
+    any): stop, in one line naming the likely cause. The policy of every backend that compiles."""
+    if limit < 0 or compiled <= limit:
+        return
+    cause = recompile_cause(shapes_seen, explain)
+    raise RecompileError(f"{compiled} graphs compiled after warm-up (limit {limit}): {cause}")
+
+
 def recompile_cause(shapes_seen: set[tuple], explain: str) -> str:
     """Why the step compiled again after warm-up, from the batch shapes it was given."""
     if len(shapes_seen) > 1:

@@ -91,6 +91,7 @@ class EmaDecay:
     where asked); the EMA weights themselves are each backend's, updated inside its step."""
 
     def __init__(self, cfg: OptimConfig):
+        self.decay, self.warmup = cfg.model_ema_decay, cfg.model_ema_warmup
         # ModelEmaV3 copies the module it is given: a one-weight stand-in (it needs a parameter).
         self._ema = ModelEmaV3(
             nn.Linear(1, 1), decay=cfg.model_ema_decay, use_warmup=cfg.model_ema_warmup
@@ -99,6 +100,9 @@ class EmaDecay:
     def __call__(self, step: int) -> float:
         """`step`: optimizer steps done, this one included (timm's num_updates)."""
         return float(self._ema.get_decay(step))
+
+    def __repr__(self) -> str:  # the same on every rank and every run: how the config is compared
+        return f"EmaDecay(decay={self.decay}, warmup={self.warmup})"
 
 
 def adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
@@ -116,7 +120,7 @@ def step_config(cfg: RunConfig) -> StepConfig:
         amp_dtype=cfg.amp_dtype,  # type: ignore[arg-type]
         clip_grad=optim.clip_grad,
         accum=optim.grad_accum,
-        ema=optim.model_ema,
+        ema=EmaDecay(optim) if optim.model_ema else 0.0,
         seed=cfg.seed,
         remat=cfg.remat,  # type: ignore[arg-type]  # checked against its choices
         kernel_opt=cfg.kernel_opt,
@@ -168,7 +172,6 @@ def build_engine(
         adamw(model, optim),
         classifier_loss,
         schedule=schedule,
-        ema=EmaDecay(optim) if optim.model_ema else None,
         init=init,
         state=state,
         config=backend_config(cfg),

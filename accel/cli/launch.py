@@ -20,12 +20,13 @@ from typing import Any
 
 START = time.perf_counter()  # before the heavy imports below: time_to_first_step counts them
 
-from accel.backends import backend_module  # noqa: E402
-from accel.backends.base import BackendModule, BackendUnavailable, RecompileError  # noqa: E402
+from accel import BackendUnavailable, RecompileError, settle  # noqa: E402
+from accel.backends import Supports  # noqa: E402
 from accel.checkpoint import flatten  # noqa: E402
 from accel.cli.config import RunConfig, from_dict  # noqa: E402
 from accel.cli.data.augment import AugmentError  # noqa: E402
 from accel.cli.data.folder import BadImageError, DatasetError  # noqa: E402
+from accel.cli.job import backend_config  # noqa: E402
 from accel.cli.messages import as_flags  # noqa: E402
 from accel.cli.models.factory import ModelError  # noqa: E402
 from accel.cli.models.pretrained import PretrainedError  # noqa: E402
@@ -172,7 +173,7 @@ def train_here(cfg: RunConfig) -> RunConfig:
         destroy_process_group()
 
 
-def settled(cfg: RunConfig) -> tuple[RunConfig, BackendModule, list[str]]:
+def settled(cfg: RunConfig) -> tuple[RunConfig, Supports, list[str]]:
     """The checked, settled config: resolved once, by the launcher; the ranks it starts take
     its result (checking the data, the model and the memory again on every rank would only
     repeat the work, and a rank could settle differently: a run name, a default)."""
@@ -180,7 +181,7 @@ def settled(cfg: RunConfig) -> tuple[RunConfig, BackendModule, list[str]]:
     if given is None:  # the launcher, or a rank torchrun started without it
         return resolve(cfg, dict(os.environ))
     resolved = from_dict(RunConfig, json.loads(given))
-    return resolved, backend_module(resolved.backend), []
+    return resolved, settle(backend_config(resolved)).supports, []
 
 
 def join_processes(cfg: RunConfig) -> None:
@@ -210,8 +211,8 @@ def run(argv: list[str]) -> int:
         return run_comparison(argv, backends, cfg.model.name, cfg.output)
     if launched_by_torchrun():
         exit_with_parent()  # a rank never outlives the launcher that started it
-    cfg, module, notes = settled(cfg)
-    processes = module.SUPPORTS.replicas == "processes"
+    cfg, supports, notes = settled(cfg)
+    processes = supports.replicas == "processes"
     if not processes:
         join_processes(cfg)
     # The first process of the first node speaks (the rank torchrun or srun gave this process,

@@ -10,8 +10,8 @@ from typing import cast
 
 import torch
 
-from accel.backends import check_supported, resolve_backend
-from accel.backends.base import BackendModule
+import accel
+from accel.backends import Supports
 from accel.checkpoint import read_meta
 from accel.cli.checkpoints import latest_checkpoint, resume_mismatches, saved_config
 from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, validate
@@ -26,9 +26,7 @@ from accel.cli.models.pretrained import fit, read_state_dict, source_of
 from accel.cli.recipes import describe
 from accel.cli.runs import check_free, latest_resumable, new_run_name
 from accel.config import ConfigError
-from accel.parallel.mesh import ParallelDims
-from accel.parallel.pipeline import is_vit, stages_per_rank
-from accel.parallel.tensor_parallel import resolve_plan
+from accel.parallel import ParallelDims, is_vit, resolve_plan, stages_per_rank
 
 
 def check_data(cfg: RunConfig) -> int:
@@ -204,24 +202,25 @@ def jax_hosts(cfg: RunConfig, env: dict[str, str]) -> RunConfig:
     return dataclasses.replace(cfg, parallel=parallel)
 
 
-def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModule, list[str]]:
-    """The checked, settled config, its backend's module, and what to tell the user of it."""
+def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, list[str]]:
+    """The checked, settled config, what its backend runs, and what to tell the user of it. The
+    backend's settings are checked by accel.settle, as a script's are by prepare."""
     validate(cfg)
     check_augment(cfg.data)
-    backend, why = resolve_backend(cfg.backend, env)
+    backend, why = accel.choose_backend(cfg.backend, env)
     cfg = jax_hosts(dataclasses.replace(cfg, backend=backend), env)
     notes = [f"backend {backend} ({why})"]
-    module = check_supported(backend_config(cfg))
+    supports = accel.settle(backend_config(cfg), env).supports
     # --data_device gpu hands the backend batches decoded on the CUDA device.
-    if cfg.data.data_device == "gpu" and not module.SUPPORTS.cuda_batches:
+    if cfg.data.data_device == "gpu" and not supports.cuda_batches:
         raise ConfigError(
             f"--data_device gpu is not supported by the {backend} backend (launch_single_task "
             "--backends shows what each backend runs)"
         )
-    check_gpu_count(cfg, module.SUPPORTS.replicas)
+    check_gpu_count(cfg, supports.replicas)
     check_model(cfg)
-    on_gpu = torch.cuda.is_available() and module.SUPPORTS.cuda_batches
-    check_memory(cfg, module.SUPPORTS.replicas, on_gpu)
+    on_gpu = torch.cuda.is_available() and supports.cuda_batches
+    check_memory(cfg, supports.replicas, on_gpu)
     classes = check_data(cfg)
     check_output(cfg)
     if cfg.steps is None and cfg.epochs is None:
@@ -229,7 +228,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
             f"no --steps or --epochs given: training {DEFAULT_EPOCHS} epoch of {cfg.data.source}"
         )
         cfg = dataclasses.replace(cfg, epochs=DEFAULT_EPOCHS)
-    decode_on, fallback = resolve_decode_on(cfg, module.SUPPORTS.cuda_batches)
+    decode_on, fallback = resolve_decode_on(cfg, supports.cuda_batches)
     notes += [fallback] if fallback else []
     cfg = dataclasses.replace(
         cfg,
@@ -240,4 +239,4 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, BackendModu
     cfg = dataclasses.replace(cfg, run_name=resolve_run_name(cfg))
     check_free(cfg.run_dir())
     check_resume(cfg)
-    return cfg, module, describe(cfg) + notes + mesh_notes(cfg, module.SUPPORTS.replicas)
+    return cfg, supports, describe(cfg) + notes + mesh_notes(cfg, supports.replicas)

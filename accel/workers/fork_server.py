@@ -18,6 +18,7 @@ import multiprocessing
 import os
 import sys
 from collections.abc import Iterable
+from dataclasses import dataclass
 from multiprocessing import forkserver, spawn
 from pathlib import Path
 
@@ -28,6 +29,38 @@ from accel.workers.lifetime import PARENT
 MAIN = "ACCEL_FORKSERVER_MAIN"  # the script the fork server imports, and how (JSON)
 
 importing_main = False  # True in a fork server while it imports the script (forkserver_main)
+
+
+@dataclass(frozen=True)
+class ForkServerUse:
+    """What `use_fork_server` changed in this process, put back by `undo`: the start method,
+    the fork server's preload list and the two variables its preload reads."""
+
+    environ: dict[str, str | None]
+
+    def undo(self) -> None:
+        """Python's default start method again (the next pool or DataLoader chooses it), the
+        fork server's default preload (multiprocessing's own: `__main__`) and the variables as
+        they were. A fork server already started ends with this process, as Python's does."""
+        multiprocessing.set_start_method(None, force=True)
+        multiprocessing.set_forkserver_preload(["__main__"])
+        for name, value in self.environ.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def use_fork_server() -> ForkServerUse | None:
+    """DataLoader workers started from a fork server that imports torch and the script once
+    (`preload`), where the process has not chosen a start method itself; what it changed, for
+    `undo`, or None where it changed nothing."""
+    if multiprocessing.get_start_method(allow_none=True) is not None:
+        return None
+    before = {name: os.environ.get(name) for name in (MAIN, PARENT)}
+    multiprocessing.set_start_method("forkserver")
+    preload()
+    return ForkServerUse(before)
 
 
 def preload(*modules: str) -> None:

@@ -12,10 +12,11 @@ import pytest
 import torch
 from PIL import Image
 
+from accel.backends import resolve_backend
 from accel.cli.data.config import DataConfig, MixupConfig
 from accel.cli.data.jpeg_decoders import make_decoder
 from accel.cli.data.loaders import build_train_loader
-from accel.cli.resolve import resolve_backend, resolve_decode_on
+from accel.cli.resolve import resolve_decode_on
 from accel.cli.train import Trainer
 from tests.helpers import dirty_mock_imagenet, micro_config, read_summary, run_cli, train_cli
 

@@ -123,6 +123,44 @@ def test_the_library_never_imports_its_clients():
         assert not any(d.startswith("accel.cli") for d in graph[name]), (name, graph[name])
 
 
+def _imported_names(path: Path) -> set[tuple[str, str]]:
+    """(module, name) of every `from module import name` in a file, at any depth."""
+    return {
+        (node.module, alias.name)
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ImportFrom) and node.module and not node.level
+        for alias in node.names
+    }
+
+
+def test_the_command_line_uses_only_the_public_names_of_the_backends_and_parallel():
+    """The command line is a client like a user's script: from accel.backends and
+    accel.parallel it imports only the names those packages export (their __all__), never a
+    module inside them, so that a change inside a backend cannot break it."""
+    import accel.backends
+    import accel.parallel
+
+    public = {"accel.backends": accel.backends.__all__, "accel.parallel": accel.parallel.__all__}
+    seen = set()
+    for path in (ROOT / "accel" / "cli").rglob("*.py"):
+        rel = str(path.relative_to(ROOT))
+        for module, name in _imported_names(path):
+            if module.startswith(("accel.backends.", "accel.parallel.")):
+                raise AssertionError(f"{rel} imports {name} from {module}, inside the package")
+            if module in public:
+                assert name in public[module], (rel, module, name)
+                seen.add(name)
+        plain = [
+            alias.name
+            for node in ast.walk(ast.parse(path.read_text()))
+            if isinstance(node, ast.Import)
+            for alias in node.names
+            if alias.name.startswith(("accel.backends.", "accel.parallel."))
+        ]
+        assert not plain, (rel, plain)
+    assert {"ParallelDims", "support_matrix"} <= seen  # the check reads what it means to
+
+
 def test_the_loop_and_the_launcher_do_not_probe_the_backend():
     """Nothing of the command line branches on a backend's name or probes its attributes (its
     task's models and data, in folders of their own, know no backend)."""

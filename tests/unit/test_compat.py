@@ -148,3 +148,22 @@ def test_an_eager_step_runs_in_a_process_that_imported_torchax():
     weight.grad = torch.ones(3)
     optimizer.step()
     assert torch.all(weight < 1)
+
+
+def test_torchs_mark_of_a_stepped_optimizer_still_quiets_its_schedulers_warning():
+    """accel/api.py marks the user's optimizer as stepped (`_opt_called`, what the step that
+    torch's schedulers wrap sets; no public API) so that their scheduler does not warn that it
+    stepped first: accel's optimizer steps, theirs never does."""
+    import warnings
+
+    def scheduler_warnings(marked: bool) -> list[str]:
+        optimizer = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
+        if marked:
+            optimizer._opt_called = True  # type: ignore[attr-defined]
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            scheduler.step()
+        return [str(w.message) for w in caught if "lr_scheduler.step()" in str(w.message)]
+
+    assert scheduler_warnings(marked=False) and not scheduler_warnings(marked=True)

@@ -50,8 +50,8 @@ def test_an_option_declared_once_reaches_every_place(probe, monkeypatch):
 def test_accel_compile_cache_names_one_folder_for_every_runs_compiled_programs(
     tmp_path, monkeypatch
 ):
-    from accel.api import cache_dir
     from accel.cli.config import replace_path
+    from accel.settings import cache_dir
     from tests.helpers import micro_config
 
     cfg = micro_config(tmp_path / "out", backend="jax")

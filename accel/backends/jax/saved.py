@@ -248,6 +248,8 @@ class SavedSteps:
             self.identity = ""
             return
         compiler = dataclasses.replace(cfg.compiler, cache_dir="")  # where, not what
+        # whether an EMA is kept, not its decay: the decay is the step's input, not its code
+        step = dataclasses.replace(cfg.step, ema=bool(cfg.step.ema))
         identity = {
             "versions": versions(),
             "accel": accel_digest(),
@@ -256,7 +258,7 @@ class SavedSteps:
             "tensors": tensors_identity(module),
             "loss_fn": function_identity(loss_fn),
             "optimizer": repr(optimizer),
-            "config": repr(dataclasses.replace(cfg, compiler=compiler)),
+            "config": repr(dataclasses.replace(cfg, step=step, compiler=compiler)),
             "platform": [jax.default_backend(), jax.devices()[0].device_kind, jax.device_count()],
         }
         self.identity = json.dumps(identity, sort_keys=True, default=str)

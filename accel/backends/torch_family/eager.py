@@ -173,7 +173,7 @@ class EagerBackend(BackendBase):
         # Fused (CUDA and CPU): one kernel for the whole update, and it takes `found_inf`,
         # which skips a non-finite step on the device (core.fused_guard).
         build = lambda named: optimizer.build(dict(named), fused=True)  # noqa: E731
-        self.core.attach(modules, build, self.layout.classifier(), self.cfg.step.ema)
+        self.core.attach(modules, build, self.layout.classifier(), bool(self.cfg.step.ema))
         self.layout.attached(self.core)
 
         def forward_loss(*batch: torch.Tensor) -> torch.Tensor:

@@ -83,7 +83,7 @@ class XlaBackend(BackendBase):
         def build(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:
             return self.optim.build(optimizer, dict(named))
 
-        self.core.attach([self.layout.module], build, head, self.cfg.step.ema)
+        self.core.attach([self.layout.module], build, head, bool(self.cfg.step.ema))
         self.layout.place_state()
         self.step.adopt(loss_fn)
 

@@ -1,0 +1,109 @@
+"""One configuration: prepare's keywords build accel.config's BackendConfig (`config=` the base,
+each keyword given sets its field), and accel.settle checks and settles it for prepare and the
+command line alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import accel
+from accel.config import BackendConfig, MeshConfig, StepConfig
+from accel.settings import DEFAULT_EMA_DECAY, settle, with_keywords
+
+
+def _engine(**options) -> accel.Engine:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+
+    def loss_fn(m, batch):
+        return torch.nn.functional.cross_entropy(m(batch[0]), batch[1])
+
+    return accel.prepare(model, optimizer, loss_fn, quiet=True, **options)
+
+
+def _trained_ema(engine: accel.Engine) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        images = torch.randn(8, 4, generator=generator)
+        engine.fetch([engine.step(images, torch.randint(0, 3, (8,), generator=generator))])
+    return engine.state_dict(ema=True)
+
+
+def test_config_with_ema_keeps_the_ema_the_keyword_asks_for():
+    """`config=` with `ema=` trains the EMA the keyword names, as the keywords alone do (it
+    used to train none, silently)."""
+    by_keywords = _trained_ema(_engine(backend="eager", amp="O0", ema=0.5))
+    by_config = _trained_ema(_engine(config=BackendConfig("eager", StepConfig(amp="O0")), ema=0.5))
+    in_config = _trained_ema(_engine(config=BackendConfig("eager", StepConfig(ema=0.5))))
+    assert by_keywords.keys() == by_config.keys() == in_config.keys()
+    for name, value in by_keywords.items():
+        assert torch.equal(value, by_config[name]) and torch.equal(value, in_config[name]), name
+    plain = _engine(backend="eager")
+    with pytest.raises(accel.AccelError, match="no EMA weights kept"):
+        plain.state_dict(ema=True)
+
+
+def test_a_keyword_given_sets_its_field_over_the_config_and_one_left_unset_keeps_it():
+    base = BackendConfig("eager", StepConfig(amp="O1", clip_grad=1.0), MeshConfig(tp=2))
+    merged = with_keywords(base, amp="O2", ema=0.9, devices=None, tp=None)
+    assert (merged.step.amp, merged.step.ema, merged.step.clip_grad) == ("O2", 0.9, 1.0)
+    assert merged.mesh.tp == 2 and merged.backend == "eager"
+    assert with_keywords(None, backend="jax", seed=3) == BackendConfig("jax", StepConfig(seed=3))
+    with pytest.raises(TypeError, match="not a setting of the config: dpi"):
+        with_keywords(base, dpi=2)
+
+
+def test_accel_devices_settles_the_devices_of_a_config_as_of_the_keywords():
+    env = {"ACCEL_DEVICES": "3"}
+    by_config = settle(BackendConfig("eager"), env)
+    by_keywords = settle(with_keywords(None, backend="eager"), env)
+    assert by_config.config == by_keywords.config
+    assert by_config.config.mesh.devices == 3
+    # a number given, in the config or as a keyword, is kept over the variable
+    assert settle(BackendConfig("eager", mesh=MeshConfig(devices=2)), env).config.mesh.devices == 2
+    assert settle(with_keywords(None, devices=2), env).config.mesh.devices == 2
+    assert settle(BackendConfig("eager"), {}).config.mesh.devices == 1
+    with pytest.raises(accel.AccelError, match="ACCEL_DEVICES must be a whole number"):
+        settle(BackendConfig("eager"), {"ACCEL_DEVICES": "two"})
+
+
+@pytest.mark.parametrize(
+    ("config", "needle"),
+    [
+        (BackendConfig("eager", StepConfig(amp="O4")), "amp must be one of O0, O1, O2, O3"),  # type: ignore[arg-type]
+        (BackendConfig("eager", StepConfig(ema=True)), f"{DEFAULT_EMA_DECAY} is timm's default"),
+        (BackendConfig("eager", StepConfig(ema=1.0)), "ema is the EMA's decay in [0, 1)"),
+        (BackendConfig("eager", StepConfig(accum=0)), "must be at least 1"),
+        (BackendConfig("eager", mesh=MeshConfig(pp_schedule="zigzag")), "pp_schedule must be"),  # type: ignore[arg-type]
+        (
+            BackendConfig("eager", mesh=MeshConfig(pp=2, tp_head=2)),
+            "pp= and tp_head= cannot be combined on the eager backend",
+        ),
+        (BackendConfig("tpu"), "unknown backend 'tpu'"),  # type: ignore[arg-type]
+    ],
+)
+def test_each_bad_setting_is_refused_in_one_line_by_settle(config, needle):
+    with pytest.raises(accel.AccelError) as caught:
+        settle(config, {})
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+
+
+def test_the_settled_config_says_why_its_backend_and_what_it_runs():
+    settled = accel.settle(BackendConfig(""), {"ACCEL_BACKEND": "compile"})
+    assert settled.config.backend == "compile" and settled.why == "ACCEL_BACKEND"
+    assert settled.supports.replicas == "processes"
+    assert settled.config.compiler.cache_dir  # the compile cache is settled too
+
+
+def test_an_ema_function_is_compared_between_ranks_by_name():
+    from accel.api import described
+
+    def decay(step: int) -> float:
+        return 0.9
+
+    assert described(decay).endswith(
+        "test_an_ema_function_is_compared_between_ranks_by_name.<locals>.decay"
+    )
+    assert described(0.5) == 0.5
