@@ -154,6 +154,7 @@ def prepare(
             "one): there is nothing to train"
         )
     check_float32(model)
+    check_hooks(model, settled.supports.gradient_hooks, config.backend)
     splits: dict[str, int] = {}
     if config.mesh.tp > 1:  # what splits, refused in one line before anything is built
         splits = weight_splits(model, resolve_plan(model, config.mesh.tp_plan, config.mesh.tp))
@@ -237,6 +238,27 @@ def check_ties(model: nn.Module, cfg: BackendConfig, splits: dict[str, int]) -> 
             f"{alias} is tied to {name} (one tensor under two names): {why}; untie them "
             "(give each its own parameter) or train without it"
         )
+
+
+def check_hooks(model: nn.Module, runs: tuple[str, ...], backend: str) -> None:
+    """Backward hooks the backend's step would not run (jax differentiates its trace itself;
+    xla's step runs no tensor hook) are refused in one line naming the module or parameter,
+    rather than trained without. torch lists a module's and a tensor's backward hooks only in
+    their own dicts (no public API reads them)."""
+    cure = (
+        f"the {backend} backend's step would not run it: remove it, or train with eager or compile"
+    )
+    if "module" not in runs:
+        for name, module in model.named_modules():
+            if module._backward_hooks or module._backward_pre_hooks:
+                where = name or type(model).__name__
+                raise AccelError(
+                    f"{where} has a backward hook (register_full_backward_hook): {cure}"
+                )
+    if "tensor" not in runs:
+        for name, parameter in model.named_parameters():
+            if parameter._backward_hooks:
+                raise AccelError(f"{name} has a gradient hook (register_hook): {cure}")
 
 
 def check_float32(model: nn.Module) -> None:

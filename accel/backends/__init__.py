@@ -154,6 +154,7 @@ SUPPORT_ROWS = (
     ("N replicas on CPU", "cpu_replicas"),
     ("one process only", "one_process"),
     ("kernel_opt=True", "kernel_opt"),
+    ("backward hooks", "gradient_hooks"),
 )
 
 

@@ -5,6 +5,9 @@ while the user's model runs there (xla's step, jax's trace):
   variance with the biased estimate (eager: the unbiased one), and torchax computes the new
   statistics without writing them back. Here the batch is normalised by the lowering and the
   running statistics are written in place, as eager writes them, from the same batch.
+- InstanceNorm's running statistics (`track_running_stats=True`): the same, with eager's
+  rule for instances: each instance's statistics (the unbiased variance) update the running
+  ones, averaged over the batch.
 - Class ids given as floats to cross_entropy or nll_loss: eager refuses them, torch_xla trains
   on them silently. Here they are refused, naming what to give instead.
 
@@ -28,6 +31,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 BATCH_NORM = inspect.signature(F.batch_norm)
+INSTANCE_NORM = inspect.signature(F.instance_norm)
 CLASS_ID_LOSSES = {F.cross_entropy: "cross_entropy", F.nll_loss: "nll_loss"}
 
 
@@ -63,6 +67,37 @@ def batch_norm(
     return out
 
 
+def instance_norm(
+    input: torch.Tensor,
+    running_mean: torch.Tensor | None = None,
+    running_var: torch.Tensor | None = None,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    use_input_stats: bool = True,
+    momentum: float = 0.1,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """F.instance_norm as eager computes it: each instance normalised by its own statistics,
+    and where running statistics are kept, each instance's (the variance's unbiased estimate)
+    updates them and the batch's updates are averaged, as eager's kernel does (it runs batch
+    norm over the instances, then takes the mean of their running statistics)."""
+    if running_mean is None or running_var is None or not use_input_stats:
+        return F.instance_norm(
+            input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
+        )
+    out = F.instance_norm(input, None, None, weight, bias, True, momentum, eps)
+    with torch.no_grad():
+        x = input.detach().float()
+        dims = list(range(2, x.dim()))
+        count = x[0, 0].numel()
+        mean = x.mean(dims).mean(0)
+        var = x.var(dims, correction=1 if count > 1 else 0).mean(0)
+        for running, batch in ((running_mean, mean), (running_var, var)):
+            updated = running.float() * (1.0 - momentum) + batch * momentum
+            running.copy_(updated.to(running.dtype))
+    return out
+
+
 def check_class_ids(name: str, input: torch.Tensor, target: torch.Tensor) -> None:
     """Class ids must be integers; a floating target is cross_entropy's class probabilities,
     of the input's shape."""
@@ -82,14 +117,17 @@ def check_class_ids(name: str, input: torch.Tensor, target: torch.Tensor) -> Non
 
 
 class AsEager(TorchFunctionMode):
-    """While active, F.batch_norm keeps its running statistics as eager does, and a loss of
-    class ids refuses floating ids as eager does (see the module's docstring)."""
+    """While active, F.batch_norm and F.instance_norm keep their running statistics as eager
+    does, and a loss of class ids refuses floating ids as eager does (the module's docstring)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.batch_norm:
             bound = BATCH_NORM.bind(*args, **kwargs)
             return batch_norm(*bound.args, **bound.kwargs)
+        if func is F.instance_norm:
+            bound = INSTANCE_NORM.bind(*args, **kwargs)
+            return instance_norm(*bound.args, **bound.kwargs)
         name = CLASS_ID_LOSSES.get(func)
         if name is not None and len(args) >= 2:
             check_class_ids(name, args[0], args[1])
@@ -121,4 +159,11 @@ def running_stat_names(model: torch.nn.Module) -> set[str]:
     return names
 
 
-__all__ = ["AsEager", "batch_norm", "check_class_ids", "modes_kept", "running_stat_names"]
+__all__ = [
+    "AsEager",
+    "batch_norm",
+    "check_class_ids",
+    "instance_norm",
+    "modes_kept",
+    "running_stat_names",
+]

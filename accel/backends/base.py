@@ -150,6 +150,9 @@ class Supports:
     # train together (torchrun's ranks, jax's hosts).
     one_process: tuple[str, ...] = ()
     kernel_opt: str = "nothing"  # what kernel_opt=True adds
+    # Backward hooks the step runs as eager runs them: "module" (register_full_backward_hook),
+    # "tensor" (a parameter's register_hook); the model's others are refused by prepare.
+    gradient_hooks: tuple[str, ...] = ()
 
 
 @dataclass

@@ -1,6 +1,7 @@
 """Any model a user brings trains on every backend as it trains on eager, or is refused in one
 line before anything trains: BatchNorm's running statistics, tied weights, Hugging Face models,
-a parameter the forward never reads, a model given in bfloat16, the model's modes after an
+a parameter the forward never reads, a no_grad block, InstanceNorm, Python state in forward,
+a model given in bfloat16, the model's modes after an
 evaluation, class ids given as floats, linear algebra in the forward, and a zero distance."""
 
 from __future__ import annotations
@@ -520,3 +521,260 @@ def test_float_inputs_at_o1_train_as_on_eager(backend):
         return run(kind, model, optimizer, image_batches(3, side=32), amp="O1")[1]
 
     assert vit(backend) == pytest.approx(vit("eager"), rel=2e-2)  # bfloat16 matmuls
+
+
+# --- what eager does inside a forward: no_grad blocks, running statistics, Python state --------
+class NoGradScale(nn.Module):
+    """A weight read only inside a no_grad block: eager gives it no gradient."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.full((3,), 2.0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            shift = x[:, :3] * self.scale
+        return self.lin(x) + shift
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_no_grad_block_in_forward_gives_no_gradient_on_every_backend(backend, kind):
+    """What a no_grad block computes is cut from the gradient, as eager does: the weight read
+    only there stays as it was (no gradient, so no weight decay either), and the rest trains as
+    on eager."""
+
+    def trained(on: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = NoGradScale()
+        optimizer = (
+            torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+            if kind == "adamw"
+            else torch.optim.SGD(model.parameters(), lr=0.1)
+        )
+        engine, _ = run(on, model, optimizer, vector_batches(3))
+        return engine.state_dict()
+
+    state, eager = trained(backend), trained("eager")
+    assert torch.equal(state["scale"], torch.full((3,), 2.0))
+    for name, value in eager.items():
+        assert state[name] == pytest.approx(value, **PARITY), name
+    assert not torch.equal(state["lin.weight"], NoGradScale().lin.weight)  # the rest trained
+
+
+class InstanceNormNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.norm = nn.InstanceNorm2d(4, affine=True, track_running_stats=True)
+        self.head = nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.norm(self.conv(x))).mean((2, 3)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_instance_norm_keeps_eagers_running_statistics_on_every_backend(backend):
+    """InstanceNorm's running statistics: each instance's (the unbiased variance) averaged
+    over the batch, as eager keeps them; xla's lowering kept the biased variance, jax's none."""
+
+    def statistics(on: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = InstanceNormNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        engine, _ = run(on, model, optimizer, image_batches(3))
+        return {k: v for k, v in engine.state_dict().items() if k.startswith("norm.running")}
+
+    found, eager = statistics(backend), statistics("eager")
+    assert set(found) == {"norm.running_mean", "norm.running_var"}
+    assert not torch.equal(eager["norm.running_var"], torch.ones(4))  # they moved
+    for name, value in eager.items():
+        assert found[name] == pytest.approx(value, **PARITY), name
+
+
+class CountsCalls(nn.Module):
+    """Python state written in forward: a call counter."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(x)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_python_state_written_in_forward_counts_as_on_eager_or_is_refused(backend):
+    """A forward that counts its calls in a Python attribute: eager, compile and xla run it
+    at every step; jax traces it once and refuses it in one line naming the attribute."""
+    torch.manual_seed(0)
+    model = CountsCalls()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if backend != "jax":
+        run(backend, model, optimizer, vector_batches(3))
+        assert model.calls == 3
+        return
+    with pytest.raises(accel.AccelError) as caught:
+        run(backend, model, optimizer, vector_batches(3))
+    message = str(caught.value)
+    assert "changed calls (0 to 1)" in message and "register_buffer" in message
+    assert "\n" not in message
+
+
+class ReverseGrad(torch.autograd.Function):
+    """Gradient reversal (domain adaptation's): the identity forward, the gradient negated
+    and scaled in the backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        return -ctx.scale * grad, None
+
+
+class ScaledSquare(torch.autograd.Function):
+    """x * w with a backward of its own that reads what the forward saved (setup_context's
+    style): the weight's gradient doubled."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x * w
+
+    @staticmethod
+    def setup_context(ctx, inputs: tuple, output: torch.Tensor) -> None:
+        ctx.save_for_backward(*inputs)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple:
+        x, w = ctx.saved_tensors
+        return grad * w, 2 * (grad * x).sum(0)
+
+
+class WithOwnBackwards(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.gain = nn.Parameter(torch.ones(4))
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = ReverseGrad.apply(torch.tanh(self.lin(x)), 0.5)
+        return self.head(ScaledSquare.apply(hidden, self.gain))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_custom_autograd_function_trains_with_its_own_backward_on_every_backend(backend):
+    """torch.autograd.Function's backward is the gradient on every backend (jax: through
+    jax.custom_vjp from its forward and backward), not the gradient of its forward's ops."""
+
+    def trained(on: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = WithOwnBackwards()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        engine, losses = run(on, model, optimizer, vector_batches(4))
+        return losses, engine.state_dict()
+
+    (losses, state), (eager_losses, eager) = trained(backend), trained("eager")
+    assert losses == pytest.approx(eager_losses, **PARITY)
+    for name, value in eager.items():
+        assert state[name] == pytest.approx(value, **PARITY), name
+
+
+class Hooked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.relu(self.lin(x)))
+
+
+def hooked(kind: str) -> Hooked:
+    """A module backward hook that halves the gradient flowing into `head`'s input, or a hook
+    that doubles `lin.weight`'s gradient."""
+    torch.manual_seed(0)
+    model = Hooked()
+    if kind == "module":
+        model.head.register_full_backward_hook(lambda m, grad_in, grad_out: (grad_in[0] * 0.5,))
+    else:
+        model.lin.weight.register_hook(lambda grad: grad * 2)
+    return model
+
+
+# Where each backend's step runs the hooks as eager runs them (Supports.gradient_hooks).
+RUNS_HOOKS = {"eager": ("module", "tensor"), "compile": ("module", "tensor"), "xla": ("module",)}
+
+
+@pytest.mark.parametrize("kind", ["module", "tensor"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_hooks_run_as_on_eager_or_are_refused_naming_them(backend, kind):
+    """A module's backward hook and a parameter's gradient hook change what trains: each
+    backend runs them as eager does, or prepare refuses the model in one line naming them."""
+
+    def trained(on: str) -> dict[str, torch.Tensor]:
+        model = hooked(kind)
+        engine, _ = run(on, model, torch.optim.SGD(model.parameters(), lr=0.5), vector_batches(3))
+        return engine.state_dict()
+
+    if kind not in RUNS_HOOKS.get(backend, ()):
+        with pytest.raises(accel.AccelError) as caught:
+            trained(backend)
+        named = "head has a backward hook" if kind == "module" else "lin.weight has a gradient hook"
+        assert named in str(caught.value) and "\n" not in str(caught.value)
+        return
+    state, eager = trained(backend), trained("eager")
+    torch.manual_seed(0)
+    plain = Hooked()
+    plain_engine, _ = run(
+        "eager", plain, torch.optim.SGD(plain.parameters(), lr=0.5), vector_batches(3)
+    )
+    assert not torch.allclose(eager["lin.weight"], plain_engine.state_dict()["lin.weight"])
+    for name, value in eager.items():
+        assert state[name] == pytest.approx(value, **PARITY), name
+
+
+class Checkpointed(nn.Module):
+    """A block run through torch.utils.checkpoint, reentrant or not."""
+
+    def __init__(self, reentrant: bool):
+        super().__init__()
+        self.reentrant = reentrant
+        self.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh())
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+        return self.head(hidden)
+
+
+# torch.utils.checkpoint does not run in xla's step (it looks for a torch.xla device module,
+# reentrant or not): xla trains no block through it.
+@pytest.mark.parametrize("backend", ["jax"])
+def test_a_reentrant_checkpoint_is_refused_in_one_line_with_the_cure(backend):
+    """torch gives a reentrant checkpoint's block no gradient where its input needs none; jax's
+    traced step would train it: refused, naming use_reentrant=False."""
+    torch.manual_seed(0)
+    model = Checkpointed(reentrant=True)
+    with pytest.raises(accel.AccelError) as caught:
+        run(backend, model, torch.optim.SGD(model.parameters(), lr=0.5), vector_batches(2))
+    assert "use_reentrant=False" in str(caught.value) and "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "xla"])
+def test_a_non_reentrant_checkpoint_trains_as_on_eager(backend):
+    def trained(on: str) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = Checkpointed(reentrant=False)
+        engine, _ = run(on, model, torch.optim.SGD(model.parameters(), lr=0.5), vector_batches(3))
+        return engine.state_dict()
+
+    state, eager = trained(backend), trained("eager")
+    for name, value in eager.items():
+        assert state[name] == pytest.approx(value, **PARITY), name

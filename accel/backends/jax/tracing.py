@@ -21,6 +21,7 @@ from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
+from accel.backends.jax.trace_rules import NoGradCuts, PythonState, own_backwards
 from accel.backends.jax.values import Precision, cast_floating
 from accel.parallel.remat import remat_blocks
 
@@ -102,8 +103,9 @@ class InputsAsWeights(TorchFunctionMode):
 
 class ParameterReads(TorchFunctionMode):
     """Which of the weights `params` ({name: tensor}) the traced code hands to a torch
-    function. A weight handed to none has no gradient in torch, whose optimizers then leave it
-    as it is (no weight decay, no moments): the jax step does the same for `unread`."""
+    function with torch's grad mode on. A weight handed to none (or only inside a no_grad
+    block) has no gradient in torch, whose optimizers then leave it as it is (no weight decay,
+    no moments): the jax step does the same for `unread`."""
 
     def __init__(self, params: dict[str, torch.Tensor]):
         super().__init__()
@@ -112,7 +114,7 @@ class ParameterReads(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if getattr(func, "__name__", "") not in METADATA:
+        if torch.is_grad_enabled() and getattr(func, "__name__", "") not in METADATA:
             for value in leaves((args, kwargs)):
                 name = self.names.get(id(value))
                 if name is not None:
@@ -291,8 +293,10 @@ class Tracer:
                 before = {n: runtime.interop.jax_view(v) for n, v in consts.items()}
                 wrapped.reads = ParameterReads(params)
                 remat = self.remat.installed(wrapped.reads) if self.training else nullcontext()
+                state = PythonState(self.module, self.model_label)
                 with remat:
                     out = torch.func.functional_call(wrapped, weights, batch)
+                state.check()
                 self.unread = wrapped.reads.unread
                 # torchax writes in place by giving the tensor a new array
                 written = {
@@ -324,11 +328,22 @@ class Tracer:
             contextlib.nullcontext() if key is None else self.env.override_property(prng=key)
         )
         self.training = key is not None
-        with modes_kept(self.module):
+        # A training trace records gradients wherever the script steps from (as eager's step
+        # does), so that only the model's own no_grad blocks are cut (NoGradCuts).
+        grad_mode = torch.enable_grad() if self.training else nullcontext()
+        with modes_kept(self.module), grad_mode:
             if key is None:
                 self.module.eval()  # read while tracing
             cast = InputsAsWeights() if self.amp.autocast else nullcontext()
-            with self.env, randomness, torch.device("jax"), AsEager(), cast:
+            with (
+                self.env,
+                randomness,
+                torch.device("jax"),
+                AsEager(),
+                cast,
+                NoGradCuts(),
+                own_backwards(self.env),
+            ):
                 out, written = self.objective(fn)(params, consts, *batch)
         return out, {n: v.astype(kept[n].dtype) for n, v in written.items()}
 

@@ -17,6 +17,7 @@ from accel.distributed import DistContext, env_context
 
 SUPPORTS = Supports(
     float16=True,
+    gradient_hooks=("module", "tensor"),
     shard=("none", "full", "grad_op"),
     tp=True,
     tp_head=True,

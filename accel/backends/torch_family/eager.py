@@ -38,6 +38,7 @@ from accel.parallel.mesh import ParallelDims
 
 SUPPORTS = Supports(
     float16=True,
+    gradient_hooks=("module", "tensor"),
     shard=SHARD_MODES,
     tp=True,
     tp_head=True,

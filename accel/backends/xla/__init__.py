@@ -38,6 +38,7 @@ from accel.distributed import DistContext
 
 SUPPORTS = Supports(
     shard=("none", "full"),
+    gradient_hooks=("module",),
     tp=True,
     exclusive=(
         ("tp", "shard", "FSDPv2 splits every weight on its first axis over the whole mesh"),
