@@ -778,3 +778,38 @@ def test_a_non_reentrant_checkpoint_trains_as_on_eager(backend):
     state, eager = trained(backend), trained("eager")
     for name, value in eager.items():
         assert state[name] == pytest.approx(value, **PARITY), name
+
+
+class Encoder(nn.Module):
+    """torch's own transformer encoder over 4 tokens, the last one padding: its evaluation
+    takes torch's fused fast path, with nested tensors."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        padding = torch.arange(4, device=x.device).expand(len(x), 4) == 3
+        hidden = self.encoder(x.view(len(x), 4, 8), src_key_padding_mask=padding)
+        return self.head(hidden[:, :3].mean(1))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_transformer_encoder_evaluates_as_on_eager(backend):
+    """nn.TransformerEncoder evaluates without gradients on torch's fused fast path; every
+    backend's evaluation and engine.model give eager's values (jax runs the training path)."""
+
+    def evaluated(on: str) -> tuple[torch.Tensor, dict]:
+        torch.manual_seed(0)
+        model = Encoder()
+        data = [(torch.randn(8, 32, generator=torch.Generator().manual_seed(i)),
+                 torch.randint(0, 3, (8,))) for i in range(2)]  # fmt: skip
+        engine, _ = run(on, model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+        images = torch.randn(4, 32, generator=torch.Generator().manual_seed(9))
+        return engine.model(images).cpu(), engine.evaluate(data, summed_loss)
+
+    (outputs, sums), (eager_outputs, eager_sums) = evaluated(backend), evaluated("eager")
+    assert outputs == pytest.approx(eager_outputs, rel=1e-4, abs=1e-5)
+    assert float(sums["loss"]) == pytest.approx(float(eager_sums["loss"]), rel=1e-4)

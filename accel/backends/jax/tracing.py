@@ -21,7 +21,12 @@ from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
-from accel.backends.jax.trace_rules import NoGradCuts, PythonState, own_backwards
+from accel.backends.jax.trace_rules import (
+    NoGradCuts,
+    PythonState,
+    no_fast_paths,
+    own_backwards,
+)
 from accel.backends.jax.values import Precision, cast_floating
 from accel.parallel.remat import remat_blocks
 
@@ -343,6 +348,7 @@ class Tracer:
                 cast,
                 NoGradCuts(),
                 own_backwards(self.env),
+                no_fast_paths(),
             ):
                 out, written = self.objective(fn)(params, consts, *batch)
         return out, {n: v.astype(kept[n].dtype) for n, v in written.items()}
