@@ -813,3 +813,23 @@ def test_a_transformer_encoder_evaluates_as_on_eager(backend):
     (outputs, sums), (eager_outputs, eager_sums) = evaluated(backend), evaluated("eager")
     assert outputs == pytest.approx(eager_outputs, rel=1e-4, abs=1e-5)
     assert float(sums["loss"]) == pytest.approx(float(eager_sums["loss"]), rel=1e-4)
+
+
+# compile's losses leave eager's by 3e-4 from the second step here (its power iteration's
+# in-place writes under no_grad): not yet matched, so not claimed.
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "compile"])
+def test_spectral_norm_trains_as_on_eager(backend):
+    """spectral_norm's power iteration writes its vectors with torch.div(..., out=) under
+    no_grad at every forward: the losses and the vectors it keeps are eager's."""
+
+    def trained(on: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3))
+        engine, losses = run(
+            on, model, torch.optim.SGD(model.parameters(), lr=0.5), vector_batches(3)
+        )
+        return losses, engine.state_dict()
+
+    (losses, state), (eager_losses, eager) = trained(backend), trained("eager")
+    assert losses == pytest.approx(eager_losses, rel=1e-5)
+    assert state["0.weight_u"] == pytest.approx(eager["0.weight_u"], rel=1e-4, abs=1e-5)

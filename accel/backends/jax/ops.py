@@ -257,6 +257,15 @@ def div(x: Any, y: Any, rounding_mode: str | None = None) -> jax.Array:
     return quotient if kind(dtype) < 2 else quotient.astype(dtype)
 
 
+def div_out(
+    x: torch.Tensor, y: Any, *, rounding_mode: str | None = None, out: torch.Tensor
+) -> torch.Tensor:
+    """torch.div(x, y, out=out) (spectral_norm's power iteration writes its vectors so): the
+    quotient, by `div` above, written into `out`."""
+    out.copy_(torch.div(x, y, rounding_mode=rounding_mode))
+    return out
+
+
 # aten._cdist_forward's compute_mode, an int, by torch.cdist's names for it
 COMPUTE_MODES = {
     0: "use_mm_for_euclid_dist_if_necessary",
@@ -377,6 +386,8 @@ EAGER_LOWERINGS: dict[Any, Callable | OfArrays] = {
     torch.ops.aten.add.Tensor: OfArrays(add),
     torch.ops.aten.add.Scalar: OfArrays(add),
     torch.ops.aten.div: OfArrays(div),
+    torch.ops.aten.div.out: div_out,
+    torch.ops.aten.div.out_mode: div_out,
     torch.cdist: cdist,
     torch.ops.aten.cdist: cdist,
     torch.ops.aten._cdist_forward: cdist,
