@@ -161,7 +161,7 @@ def test_a_plan_that_cannot_split_is_refused_in_one_line():
         tp=3, tp_plan={"fc1": "colwise", "fc2": "rowwise"}
     )
     assert "MlpNet has no block accel knows how to split" in _refused(tp=2)
-    assert "tp and pp must be at least 1" in _refused(tp=0)
+    assert "tp, tp_head and pp must be at least 1" in _refused(tp=0)
 
 
 def test_a_checkpoint_of_jax_data_2_by_model_2_loads_on_eager(tmp_path):
