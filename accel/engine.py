@@ -53,6 +53,7 @@ from accel.loop import (
     check_workers,
     checked_batch,
     compiled_again,
+    loader_batch,
     say,
     user_errors,
 )
@@ -180,12 +181,12 @@ class Engine:
         return self.runner.sharded_checkpoint
 
     def loader(self, batches: Iterable[Sequence[torch.Tensor]]) -> Iterator[tuple]:
-        """Your loader's batches on the device, prefetched (MpDeviceLoader on xla, a pinned
-        side stream on CUDA, sharded device puts on jax). Under several processes each rank
-        must read its own part of the data: a DataLoader needs a DistributedSampler."""
+        """Your loader's batches (tuples of tensors) on the device, prefetched (MpDeviceLoader on
+        xla, a pinned side stream on CUDA, sharded device puts on jax). Under several processes
+        each rank reads its own part of the data: a DataLoader needs a DistributedSampler."""
         check_sharded(batches, self.data_ranks)
         check_workers(batches)
-        return self.runner.device_batches(tuple(b) for b in batches)
+        return self.runner.device_batches(loader_batch(b) for b in batches)
 
     def step(self, *batch: Any) -> Any:
         """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
@@ -307,9 +308,8 @@ class Engine:
 
     def sync_model(self) -> nn.Module:
         """Your model, holding the trained weights; returns it. On eager, compile and xla it is
-        the module trained (moved to the device), so this changes nothing; jax trains arrays of
-        its own and copies them in here, and whenever the script reads that model (its
-        state_dict() or its forward: TrainedOnRead). Call it on every rank."""
+        the module trained, so this changes nothing; jax copies its arrays in here, and whenever
+        the script reads that model (state_dict(), forward: TrainedOnRead). On every rank."""
         model = self.model_given
         if model is None:
             raise AccelError("this engine was given no model to sync")

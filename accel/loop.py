@@ -87,6 +87,19 @@ def check_batch(batch: tuple) -> None:
             raise AccelError(f"a batch's tensors split along their first axis, got {kind}")
 
 
+def loader_batch(batch: Any) -> tuple:
+    """A DataLoader's batch as the step's tuple of tensors; a dict (Accelerate's and Hugging
+    Face datasets' way) is refused in one line naming its keys."""
+    if isinstance(batch, dict):
+        keys = ", ".join(repr(k) for k in batch)
+        raise AccelError(
+            f"engine.loader got a batch as a dict ({keys}): give it tuples of tensors (a "
+            "collate_fn returning (batch['image'], batch['label']), say); loss_fn gets the "
+            "tuple as its batch"
+        )
+    return tuple(batch)
+
+
 def checked_batch(batch: tuple) -> tuple:
     """`step(images, labels)` or `step((images, labels))`: the batch's tuple of tensors,
     checked."""

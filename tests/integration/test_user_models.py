@@ -833,3 +833,43 @@ def test_spectral_norm_trains_as_on_eager(backend):
     (losses, state), (eager_losses, eager) = trained(backend), trained("eager")
     assert losses == pytest.approx(eager_losses, rel=1e-5)
     assert state["0.weight_u"] == pytest.approx(eager["0.weight_u"], rel=1e-4, abs=1e-5)
+
+
+# --- the script's own objects: tensors its loss closes over -------------------------------------
+MEAN, STD = torch.tensor([0.5, 0.1, 0.2, 0.3]), torch.tensor([2.0, 1.0, 1.5, 0.5])
+
+
+def normalised_loss(model: nn.Module, batch: tuple) -> torch.Tensor:
+    """A loss that normalises with host tensors made outside it (a script's mean and std)."""
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model((inputs - MEAN) / STD), labels)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_host_tensors_the_loss_closes_over_train_as_on_eager(backend):
+    """On jax they become constants of the traced step (they failed in torchax's words); the
+    other backends move them as they always did."""
+
+    def losses(on: str) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        return run(on, model, optimizer, vector_batches(3), loss_fn=normalised_loss)[1]
+
+    assert losses(backend) == pytest.approx(losses("eager"), **PARITY)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_loader_of_dict_batches_is_refused_in_one_line_naming_the_keys(backend):
+    """A DataLoader that gives dicts (Accelerate's and datasets' default) is refused by
+    engine.loader in one line, on every backend (it crashed inside accel)."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
+                           backend=backend, quiet=True)  # fmt: skip
+    data = [{"image": x, "label": y} for x, y in vector_batches(2)]
+    with pytest.raises(accel.AccelError) as caught:
+        for batch in engine.loader(torch.utils.data.DataLoader(data, batch_size=None)):
+            engine.step(*batch)
+    message = str(caught.value)
+    assert "'image', 'label'" in message and "collate_fn" in message and "\n" not in message

@@ -260,18 +260,14 @@ def div(x: Any, y: Any, rounding_mode: str | None = None) -> jax.Array:
 def div_out(
     x: torch.Tensor, y: Any, *, rounding_mode: str | None = None, out: torch.Tensor
 ) -> torch.Tensor:
-    """torch.div(x, y, out=out) (spectral_norm's power iteration writes its vectors so): the
-    quotient, by `div` above, written into `out`."""
+    """torch.div(x, y, out=out), as spectral_norm writes its vectors: `div` above, into out."""
     out.copy_(torch.div(x, y, rounding_mode=rounding_mode))
     return out
 
 
 # aten._cdist_forward's compute_mode, an int, by torch.cdist's names for it
-COMPUTE_MODES = {
-    0: "use_mm_for_euclid_dist_if_necessary",
-    1: "use_mm_for_euclid_dist",
-    2: "donot_use_mm_for_euclid_dist",
-}
+COMPUTE_MODES = {0: "use_mm_for_euclid_dist_if_necessary", 1: "use_mm_for_euclid_dist"}
+COMPUTE_MODES[2] = "donot_use_mm_for_euclid_dist"
 
 
 def cdist(

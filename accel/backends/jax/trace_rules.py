@@ -5,6 +5,9 @@ differentiates the whole trace:
   `torch.inference_mode()`) computes is cut from the gradient, as eager records no graph there.
 - `own_backwards`: a `torch.autograd.Function`'s own backward is the gradient of what its
   forward computes (jax.custom_vjp from its forward and backward), as on eager.
+- `HostConstants`: a host tensor the loss or the model closes over (a normalisation's mean and
+  std made outside `loss_fn`) meets the traced values as a constant on the devices, as it would
+  be moved on the other backends.
 - `PythonState`: a forward that changes a module's Python attributes (a call counter) would
   change them once, at the trace, not at every step: refused in one line, naming the attribute.
 """
@@ -23,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
 import accel.backends.jax.runtime as runtime
+from accel.backends.jax.values import to_jax
 from accel.config import ConfigError
 
 # Functions that describe a tensor rather than compute one: nothing to cut.
@@ -63,6 +67,49 @@ class NoGradCuts(TorchFunctionMode):
             return runtime.interop.torch_view(jax.lax.stop_gradient(array))
 
         return tree_map(cut, out)
+
+
+class HostConstants(TorchFunctionMode):
+    """While active (inside the trace), a host tensor handed to a torch function beside the
+    traced values (one the loss or the model closes over) is handed over as a constant of the
+    program, its value as it is when the step is traced."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        traced = runtime.torchax.tensor.Tensor
+        values = (args, kwargs)
+        if any(isinstance(v, traced) for v in leaves(values)) and any(
+            is_host(v) for v in leaves(values)
+        ):
+            args, kwargs = tree_map(lambda v: as_constant(v) if is_host(v) else v, values)
+        return func(*args, **kwargs)
+
+
+def leaves(value: Any) -> Iterator[Any]:
+    """The values inside tuples, lists and dicts (a torch function's arguments)."""
+    if isinstance(value, tuple | list):
+        for item in value:
+            yield from leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from leaves(item)
+    else:
+        yield value
+
+
+def is_host(value: Any) -> bool:
+    """A plain torch tensor, not one torchax traces."""
+    return isinstance(value, torch.Tensor) and not isinstance(
+        value, runtime.torchax.tensor.Tensor | runtime.torchax.view.View
+    )
+
+
+def as_constant(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor`'s value as a constant of the traced program, in its dtype."""
+    array = to_jax(tensor)
+    if tensor.dtype == torch.bfloat16:  # to_jax reads bfloat16 through float32
+        array = array.astype(jnp.bfloat16)
+    return runtime.interop.torch_view(array)
 
 
 class FunctionContext:
@@ -241,4 +288,4 @@ class PythonState:
                 )
 
 
-__all__ = ["NoGradCuts", "PythonState", "no_fast_paths", "own_backwards"]
+__all__ = ["HostConstants", "NoGradCuts", "PythonState", "no_fast_paths", "own_backwards"]

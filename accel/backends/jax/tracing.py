@@ -22,6 +22,7 @@ from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
 from accel.backends.jax.trace_rules import (
+    HostConstants,
     NoGradCuts,
     PythonState,
     no_fast_paths,
@@ -349,6 +350,7 @@ class Tracer:
                 NoGradCuts(),
                 own_backwards(self.env),
                 no_fast_paths(),
+                HostConstants(),
             ):
                 out, written = self.objective(fn)(params, consts, *batch)
         return out, {n: v.astype(kept[n].dtype) for n, v in written.items()}
