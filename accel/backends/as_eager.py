@@ -135,6 +135,20 @@ class AsEager(TorchFunctionMode):
 
 
 @contextlib.contextmanager
+def no_fast_paths() -> Iterator[None]:
+    """torch's fused fast path of nn.TransformerEncoder and MultiheadAttention (taken in
+    evaluation, without gradients) off in the block: a compiling backend has no lowering of its
+    nested-tensor ops (aten::_nested_tensor_from_mask_left_aligned: jax cannot trace it, xla
+    runs it on the host), and the path training takes computes the same values."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+@contextlib.contextmanager
 def modes_kept(model: torch.nn.Module) -> Iterator[None]:
     """Each module's train or eval mode as it was before the block: an evaluation (or a trace
     that sets a mode) leaves the model as it was given, a frozen BatchNorm in eval mode
@@ -165,5 +179,6 @@ __all__ = [
     "check_class_ids",
     "instance_norm",
     "modes_kept",
+    "no_fast_paths",
     "running_stat_names",
 ]

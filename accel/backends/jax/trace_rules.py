@@ -235,20 +235,6 @@ def own_backwards(env: Any) -> Iterator[None]:
         torch.autograd.Function.apply = original  # type: ignore[method-assign]
 
 
-@contextlib.contextmanager
-def no_fast_paths() -> Iterator[None]:
-    """torch's fused fast path of nn.TransformerEncoder and MultiheadAttention (taken in
-    evaluation, without gradients) off while jax traces: it calls ops no lowering has
-    (aten::_nested_tensor_from_mask_left_aligned), and the path training takes computes the
-    same values."""
-    before = torch.backends.mha.get_fastpath_enabled()
-    torch.backends.mha.set_fastpath_enabled(False)
-    try:
-        yield
-    finally:
-        torch.backends.mha.set_fastpath_enabled(before)
-
-
 # Plain attributes torch itself sets on a module (its mode, a flag its hooks' first call sets):
 # not the user's Python state.
 MODULE_MACHINERY = {"training", "_is_full_backward_hook", "_compiled_call_impl"}
@@ -288,4 +274,4 @@ class PythonState:
                 )
 
 
-__all__ = ["HostConstants", "NoGradCuts", "PythonState", "no_fast_paths", "own_backwards"]
+__all__ = ["HostConstants", "NoGradCuts", "PythonState", "own_backwards"]

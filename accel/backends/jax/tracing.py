@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 
 import accel.backends.jax.runtime as runtime
 from accel.amp import AmpPolicy
-from accel.backends.as_eager import AsEager, modes_kept, running_stat_names
+from accel.backends.as_eager import AsEager, modes_kept, no_fast_paths, running_stat_names
 from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
@@ -25,7 +25,6 @@ from accel.backends.jax.trace_rules import (
     HostConstants,
     NoGradCuts,
     PythonState,
-    no_fast_paths,
     own_backwards,
 )
 from accel.backends.jax.values import Precision, cast_floating

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from accel.amp import AmpPolicy
-from accel.backends.as_eager import AsEager, modes_kept
+from accel.backends.as_eager import AsEager, modes_kept, no_fast_paths
 from accel.backends.base import Batch, LossFn, MetricFn, StepResult, split_batch
 from accel.backends.host_reads import RefuseHostReads
 from accel.backends.torch_family.core import TorchCore, accumulate, local_norm, metric_sums
@@ -89,7 +89,7 @@ class XlaStep:
     ) -> dict[str, float]:
         devices, layout = self.devices, self.layout
         # evaluation's own graphs (an evaluation every epoch) are not recompiles of the step
-        with self.compiles.not_counted(), layout.weights(ema):
+        with self.compiles.not_counted(), layout.weights(ema), no_fast_paths():
             keys, sums = metric_sums(
                 layout.module, layout.forward_module, map(self.batches.on_device, batches),
                 metric_fn, self.autocast, devices.device, after_batch=devices.sync,
@@ -101,7 +101,7 @@ class XlaStep:
     @torch.no_grad()
     def forward(self, inputs: tuple) -> Any:
         module = self.layout.module
-        with modes_kept(module):
+        with modes_kept(module), no_fast_paths():
             module.eval()
             with self.autocast():
                 return self.layout.forward_module(*self.batches.on_device(tuple(inputs)))
