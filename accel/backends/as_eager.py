@@ -55,16 +55,28 @@ def batch_norm(
         mean, var = running_mean.to(input.dtype), running_var.to(input.dtype)
         return F.batch_norm(input, mean, var, weight, bias, False, momentum, eps)
     out = F.batch_norm(input, None, None, weight, bias, True, momentum, eps)
+    update_running(input, [0, *range(2, input.dim())], running_mean, running_var, momentum, 1)
+    return out
+
+
+def update_running(
+    input: torch.Tensor,
+    dims: list[int],
+    running_mean: torch.Tensor,
+    running_var: torch.Tensor,
+    momentum: float,
+    instances: int,
+) -> None:
+    """Running statistics updated in place, as eager's kernels update them, from the input's
+    mean and unbiased variance over `dims`, averaged over its first `instances` entries."""
     with torch.no_grad():
         x = input.detach().float()
-        dims = [0, *range(2, x.dim())]
-        count = x.numel() // x.size(1)
-        mean = x.mean(dims)
-        var = x.var(dims, correction=1 if count > 1 else 0)
+        count = x.numel() // (x.size(1) * instances)
+        mean = x.mean(dims).reshape(instances, -1).mean(0)
+        var = x.var(dims, correction=1 if count > 1 else 0).reshape(instances, -1).mean(0)
         for running, batch in ((running_mean, mean), (running_var, var)):
             updated = running.float() * (1.0 - momentum) + batch * momentum
             running.copy_(updated.to(running.dtype))
-    return out
 
 
 def instance_norm(
@@ -86,15 +98,9 @@ def instance_norm(
             input, running_mean, running_var, weight, bias, use_input_stats, momentum, eps
         )
     out = F.instance_norm(input, None, None, weight, bias, True, momentum, eps)
-    with torch.no_grad():
-        x = input.detach().float()
-        dims = list(range(2, x.dim()))
-        count = x[0, 0].numel()
-        mean = x.mean(dims).mean(0)
-        var = x.var(dims, correction=1 if count > 1 else 0).mean(0)
-        for running, batch in ((running_mean, mean), (running_var, var)):
-            updated = running.float() * (1.0 - momentum) + batch * momentum
-            running.copy_(updated.to(running.dtype))
+    update_running(
+        input, list(range(2, input.dim())), running_mean, running_var, momentum, len(input)
+    )
     return out
 
 

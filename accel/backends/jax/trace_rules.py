@@ -29,20 +29,8 @@ import accel.backends.jax.runtime as runtime
 from accel.backends.jax.values import to_jax
 from accel.config import ConfigError
 
-# Functions that describe a tensor rather than compute one: nothing to cut.
-DESCRIBE = {"__get__", "size", "dim", "numel", "__len__", "ndimension", "nelement"}
-
-
-def leaf_ids(value: Any) -> Iterator[int]:
-    """The ids of the values inside tuples, lists and dicts (a torch function's arguments)."""
-    if isinstance(value, tuple | list):
-        for item in value:
-            yield from leaf_ids(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from leaf_ids(item)
-    else:
-        yield id(value)
+# Functions that describe a tensor rather than compute one: no read of a weight, nothing to cut.
+METADATA = {"__get__", "size", "dim", "numel", "__len__", "ndimension", "nelement"}
 
 
 class NoGradCuts(TorchFunctionMode):
@@ -54,9 +42,9 @@ class NoGradCuts(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if torch.is_grad_enabled() or getattr(func, "__name__", "") in DESCRIBE:
+        if torch.is_grad_enabled() or getattr(func, "__name__", "") in METADATA:
             return out
-        given = set(leaf_ids((args, kwargs)))
+        given = {id(v) for v in leaves((args, kwargs))}
 
         def cut(value: Any) -> Any:
             if not isinstance(value, torch.Tensor) or id(value) in given:
@@ -274,4 +262,4 @@ class PythonState:
                 )
 
 
-__all__ = ["HostConstants", "NoGradCuts", "PythonState", "own_backwards"]
+__all__ = ["METADATA", "HostConstants", "NoGradCuts", "PythonState", "leaves", "own_backwards"]

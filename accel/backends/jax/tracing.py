@@ -22,9 +22,11 @@ from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
 from accel.backends.jax.trace_rules import (
+    METADATA,
     HostConstants,
     NoGradCuts,
     PythonState,
+    leaves,
     own_backwards,
 )
 from accel.backends.jax.values import Precision, cast_floating
@@ -75,10 +77,6 @@ class Objective(torch.nn.Module):
     def forward(self, *batch: torch.Tensor) -> Any:
         with self.reads or contextlib.nullcontext():
             return self.fn(self.model, batch)
-
-
-# Tensor members that read a weight's metadata, not its values: no gradient flows through them.
-METADATA = {"__get__", "size", "dim", "numel", "__len__", "ndimension", "nelement"}
 
 
 # The layers autocast runs in low precision whatever their input's dtype (torch's autocast
@@ -134,18 +132,6 @@ class ParameterReads(TorchFunctionMode):
     @property
     def unread(self) -> set[str]:
         return set(self.names.values()) - self.read
-
-
-def leaves(value: Any) -> Iterator[Any]:
-    """The values inside tuples, lists and dicts (a torch function's arguments)."""
-    if isinstance(value, tuple | list):
-        for item in value:
-            yield from leaves(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from leaves(item)
-    else:
-        yield value
 
 
 class Slot:
