@@ -63,6 +63,7 @@ def _documented_variables() -> set[str]:
     return set(re.findall(r"`([A-Z][A-Z0-9_]+)`", stays))
 
 
+@pytest.mark.slow  # two fresh interpreters, each starting JAX: the full suite
 @pytest.mark.parametrize("backends", [("jax", "jax"), ("eager", "jax")])
 def test_two_engines_closed_in_turn_leave_the_process_as_it_was(backends):
     env = {k: v for k, v in os.environ.items() if k not in _documented_variables()}
