@@ -23,7 +23,6 @@ import jax.numpy as jnp
 import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
 
 import accel.backends.jax.runtime as runtime
 from accel.backends.jax.values import to_jax
@@ -54,7 +53,7 @@ class NoGradCuts(TorchFunctionMode):
                 return value
             return runtime.interop.torch_view(jax.lax.stop_gradient(array))
 
-        return tree_map(cut, out)
+        return jax.tree.map(cut, out)
 
 
 class HostConstants(TorchFunctionMode):
@@ -69,7 +68,7 @@ class HostConstants(TorchFunctionMode):
         if any(isinstance(v, traced) for v in leaves(values)) and any(
             is_host(v) for v in leaves(values)
         ):
-            args, kwargs = tree_map(lambda v: as_constant(v) if is_host(v) else v, values)
+            args, kwargs = jax.tree.map(lambda v: as_constant(v) if is_host(v) else v, values)
         return func(*args, **kwargs)
 
 
@@ -168,7 +167,7 @@ def apply_with_own_backward(cls: Any, args: tuple, kwargs: dict, env: Any) -> An
                 out = cls.forward(ctx, *inputs, **kwargs)
         contexts[:] = [ctx]
         saved = [interop.jax_view(t) if isinstance(t, torch.Tensor) else t for t in ctx.to_save]
-        return tree_map(interop.jax_view, out), saved
+        return jax.tree.map(interop.jax_view, out), saved
 
     @jax.custom_vjp
     def applied(*arrays: jax.Array) -> Any:
@@ -199,7 +198,7 @@ def apply_with_own_backward(cls: Any, args: tuple, kwargs: dict, env: Any) -> An
 
     applied.defvjp(applied_forward, applied_backward)
     out = applied(*(interop.jax_view(args[i]) for i in at))
-    return tree_map(interop.torch_view, out)
+    return jax.tree.map(interop.torch_view, out)
 
 
 @contextlib.contextmanager
