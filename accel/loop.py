@@ -158,8 +158,11 @@ def user_errors(where: str) -> Iterator[None]:
     errors inside accel's or the libraries' own code keep their traceback."""
     try:
         yield
-    except (ConfigError, BackendUnavailable, RecompileError):
-        raise  # already one line (or the launcher's own exit)
+    except (ConfigError, BackendUnavailable, RecompileError) as err:
+        # Already one line (or the launcher's own exit), naming the user's line: raised anew
+        # (contextlib puts the same object's traceback back) without the frames it came through
+        # (accel's, the compiler's), which say nothing to the user.
+        raise type(err)(*err.args) from None
     except Exception as err:
         message = str(err)
         # torch.compile's errors quote the user's frames it traced rather than run them.

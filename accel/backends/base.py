@@ -11,6 +11,7 @@ cannot run here), context() (this process's place among the replicas) and build(
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple, Protocol, runtime_checkable
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from accel.amp import amp_policy
+from accel.backends.host_reads import user_frame
 from accel.config import AMP_LEVELS, BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
@@ -95,16 +97,24 @@ def split_loss(out: Any) -> tuple[Any, dict[str, Any]]:
         out, extras = out
     shape = tuple(getattr(out, "shape", (None,)))
     if shape != ():
+        got = f"shape {list(shape)}" if shape != (None,) else type(out).__name__
         raise ConfigError(
-            "loss_fn must return a scalar tensor, or (loss, {name: scalar tensor}); got "
-            + (f"shape {list(shape)}" if shape != (None,) else type(out).__name__)
+            f"loss_fn must return a scalar tensor (a vector's .mean()), or (loss, {{name: scalar "
+            f"tensor}}); it returned {got}{_called_at()}"
         )
     for name, value in extras.items():
         if tuple(getattr(value, "shape", ())) != ():
             raise ConfigError(
                 f"loss_fn's extra '{name}' must be a scalar, got shape {list(value.shape)}"
+                + _called_at()
             )
     return out, dict(sorted(extras.items()))
+
+
+def _called_at() -> str:
+    """The user's line that ran the step (the loss function has returned by now)."""
+    frame = user_frame(traceback.extract_stack())
+    return f" (the step at {frame.filename}:{frame.lineno}: {frame.line})" if frame else ""
 
 
 def replica_seed(seed: int, replica: int) -> int:

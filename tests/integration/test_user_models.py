@@ -6,9 +6,11 @@ evaluation, class ids given as floats, linear algebra in the forward, and a zero
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
+import traceback
 from pathlib import Path
 
 import pytest
@@ -825,6 +827,40 @@ def test_a_transformer_encoder_evaluates_as_on_eager(backend):
     assert float(sums["loss"]) == pytest.approx(float(eager_sums["loss"]), rel=1e-4)
 
 
+@dataclasses.dataclass
+class Prediction:
+    """A model's output as a dataclass, as many users' and libraries' models return."""
+
+    logits: torch.Tensor
+    features: tuple[torch.Tensor, ...]
+
+
+class ReturnsADataclass(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(6, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Prediction:
+        features = torch.tanh(self.body(x))
+        return Prediction(logits=self.head(features), features=(features, features.sum(1)))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_dataclass_output_comes_back_from_engine_model_as_on_eager(backend):
+    def predicted(on: str) -> Prediction:
+        torch.manual_seed(0)
+        model = ReturnsADataclass()
+        loss = lambda m, b: nn.functional.cross_entropy(m(b[0]).logits, b[1])  # noqa: E731
+        data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(2)]
+        engine, _ = run(on, model, torch.optim.AdamW(model.parameters(), lr=0.1), data, loss)
+        return engine.model(torch.randn(5, 6, generator=torch.Generator().manual_seed(3)))
+
+    got, want = predicted(backend), predicted("eager")
+    assert type(got) is Prediction and len(got.features) == 2
+    assert got.logits.cpu() == pytest.approx(want.logits, rel=1e-4, abs=1e-5)
+    assert got.features[1].cpu() == pytest.approx(want.features[1], rel=1e-4, abs=1e-5)
+
+
 # compile's losses leave eager's by 3e-4 from the second step here (its power iteration's
 # in-place writes under no_grad): not yet matched, so not claimed.
 @SLOW
@@ -885,3 +921,25 @@ def test_a_loader_of_dict_batches_is_refused_in_one_line_naming_the_keys(backend
             engine.step(*batch)
     message = str(caught.value)
     assert "'image', 'label'" in message and "collate_fn" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("returned", ["none", "vector"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_bad_loss_is_one_line_naming_the_users_line_without_accels_frames(backend, returned):
+    def bad_loss(model: nn.Module, batch: tuple):
+        losses = nn.functional.cross_entropy(model(batch[0]), batch[1], reduction="none")
+        return losses if returned == "vector" else None
+
+    model = nn.Linear(6, 3)
+    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), bad_loss,
+                           backend=backend, quiet=True)  # fmt: skip
+    with pytest.raises(accel.AccelError) as refused:
+        engine.step(torch.randn(4, 6), torch.randint(0, 3, (4,)))  # the user's line
+    line = str(refused.value)
+    assert "\n" not in line and ("shape [4]" if returned == "vector" else "NoneType") in line
+    assert f"{os.path.basename(__file__)}:" in line and "the user's line" in line
+    frames = traceback.extract_tb(refused.value.__traceback__)
+    inner = [f.filename for f in frames if "accel" in Path(f.filename).parts]
+    assert not [f for f in inner if "backends" in Path(f).parts], inner  # no backend's frame
+    assert not [f for f in frames if "site-packages" in f.filename and "contextlib" not in
+                f.filename]  # fmt: skip

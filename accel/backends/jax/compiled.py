@@ -5,6 +5,7 @@ programs, and the accounting of what JAX compiled and how long it took."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
@@ -252,9 +253,38 @@ class Evaluation:
         fn = self.programs.get("forward")
         if fn is None:
             tracer = self.tracer
-            forward = lambda model, x: model(*x)  # noqa: E731
+            forward = lambda model, x: as_pytree(model(*x))  # noqa: E731
             fn = jax.jit(lambda p, c, *b: tracer.run_torch(forward, p, c, b)[0])
             self.programs["forward"] = fn
         with self.tracer.tracing():
             out = fn(self.state.params, self.state.buffers, *self.runtime.arrays(inputs))
         return jax.tree.map(to_torch, out)
+
+
+def as_pytree(out: Any) -> Any:
+    """`out` (a forward's output), its dataclasses made jax pytrees first, so that a model
+    returning one (`Output(logits=...)`) gives it back from the compiled forward as eager does:
+    a jitted function returns only pytrees of arrays. Registered once per class, over its
+    fields, in jax's registry alone (torch and the user's code see the class unchanged)."""
+    for value in _nodes(out):
+        cls = type(value)
+        if dataclasses.is_dataclass(value) and jax.tree_util.treedef_is_leaf(
+            jax.tree.structure(value)
+        ):
+            fields = [f.name for f in dataclasses.fields(cls) if f.init]
+            jax.tree_util.register_dataclass(cls, data_fields=fields, meta_fields=[])
+    return out
+
+
+def _nodes(value: Any) -> Iterable[Any]:
+    yield value
+    if isinstance(value, dict):
+        children: Iterable[Any] = value.values()
+    elif isinstance(value, list | tuple):
+        children = value
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        children = (getattr(value, f.name) for f in dataclasses.fields(value))
+    else:
+        return
+    for child in children:
+        yield from _nodes(child)
