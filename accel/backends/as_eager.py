@@ -8,6 +8,8 @@ while the user's model runs there (xla's step, jax's trace):
 - InstanceNorm's running statistics (`track_running_stats=True`): the same, with eager's
   rule for instances: each instance's statistics (the unbiased variance) update the running
   ones, averaged over the batch.
+- A BatchNorm in eval mode inside the training step (a frozen one): torch_xla's backward of it
+  fails; here it is the affine map it is, whose gradient every backend takes.
 - Class ids given as floats to cross_entropy or nll_loss: eager refuses them, torch_xla trains
   on them silently. Here they are refused, naming what to give instead.
 
@@ -53,10 +55,31 @@ def batch_norm(
         return F.batch_norm(input, running_mean, running_var, weight, bias, training, momentum, eps)
     if not training:
         mean, var = running_mean.to(input.dtype), running_var.to(input.dtype)
-        return F.batch_norm(input, mean, var, weight, bias, False, momentum, eps)
+        if not torch.is_grad_enabled():
+            return F.batch_norm(input, mean, var, weight, bias, False, momentum, eps)
+        return frozen_batch_norm(input, mean, var, weight, bias, eps)
     out = F.batch_norm(input, None, None, weight, bias, True, momentum, eps)
     update_running(input, [0, *range(2, input.dim())], running_mean, running_var, momentum, 1)
     return out
+
+
+def frozen_batch_norm(
+    input: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+) -> torch.Tensor:
+    """A BatchNorm in eval mode inside a training step (a frozen one), as the affine map it is:
+    torch_xla's backward of an evaluation-mode batch norm fails (it asks for the batch
+    statistics a training one saves), while this map's gradient is the same on every backend."""
+    shape = [1, -1] + [1] * (input.dim() - 2)
+    scale = torch.rsqrt(var + eps)
+    if weight is not None:
+        scale = scale * weight.to(input.dtype)
+    out = (input - mean.view(shape)) * scale.view(shape)
+    return out if bias is None else out + bias.to(input.dtype).view(shape)
 
 
 def update_running(

@@ -132,6 +132,37 @@ def test_batchnorm_statistics_are_eagers_on_every_backend(tmp_path, backend, acc
     torch.testing.assert_close(found["forward"], want["forward"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_frozen_batchnorm_trains_as_on_eager(backend):
+    """A BatchNorm the user put in eval mode normalises by its running statistics, keeps them,
+    and passes gradients to the layers before it and to its own affine weights."""
+
+    def trained(on: str) -> tuple[list[float], dict]:
+        torch.manual_seed(0)
+        model = BatchNormNet()
+        with torch.no_grad():
+            model.bn.running_mean.uniform_(-1, 1)
+            model.bn.running_var.uniform_(0.5, 2.0)
+        model.bn.eval()
+        engine, losses = run(on, model, torch.optim.SGD(model.parameters(), lr=0.1),
+                             image_batches(3))  # fmt: skip
+        return losses, {k: v.cpu() for k, v in engine.state_dict().items()}
+
+    (losses, state), (eager_losses, eager_state) = trained(backend), trained("eager")
+    assert losses == pytest.approx(eager_losses, **PARITY)
+    assert torch.equal(state["bn.running_mean"], eager_state["bn.running_mean"])
+    assert int(state["bn.num_batches_tracked"]) == 0  # frozen: never counted a batch
+    for name in ("conv.weight", "bn.weight", "bn.bias"):
+        assert not torch.equal(state[name], trained_from(name))
+        torch.testing.assert_close(state[name], eager_state[name], rtol=1e-5, atol=1e-6)
+
+
+def trained_from(name: str) -> torch.Tensor:
+    """The parameter `name` of a BatchNormNet as built from seed 0, before training."""
+    torch.manual_seed(0)
+    return BatchNormNet().state_dict()[name]
+
+
 @SLOW
 @pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "eager"])
 def test_timm_resnet18_keeps_eagers_batchnorm_statistics(backend):
