@@ -5,6 +5,7 @@ update and the EMA's; evaluation and the model's forward in graphs of their own.
 from __future__ import annotations
 
 import contextlib
+import traceback
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -13,13 +14,13 @@ import torch
 from accel.amp import AmpPolicy
 from accel.backends.as_eager import AsEager, modes_kept, no_fast_paths
 from accel.backends.base import Batch, LossFn, MetricFn, StepResult, split_batch
-from accel.backends.host_reads import RefuseHostReads
+from accel.backends.host_reads import RefuseHostReads, user_frame
 from accel.backends.torch_family.core import TorchCore, accumulate, local_norm, metric_sums
 from accel.backends.xla.batches import XlaBatches
 from accel.backends.xla.compiles import XlaCompiles
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.layout import XlaLayout
-from accel.config import BackendConfig
+from accel.config import BackendConfig, ConfigError
 
 
 class XlaStep:
@@ -66,7 +67,20 @@ class XlaStep:
         return torch.cat([means[:1], applied.float()[None], means[1:]])
 
     def forward_loss(self, *batch: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(self.layout.forward_module, batch)
+        try:
+            return self.loss_fn(self.layout.forward_module, batch)
+        except AttributeError as err:
+            # torch.utils.checkpoint looks up a device module `torch.xla`, which torch_xla does
+            # not register, and torch_xla's own checkpoint has no non-reentrant form.
+            if "no attribute 'xla'" not in str(err):
+                raise
+            frame = user_frame(traceback.extract_tb(err.__traceback__))
+            where = f" at {frame.filename}:{frame.lineno} ({frame.line})" if frame else ""
+            raise ConfigError(
+                f"torch.utils.checkpoint{where} does not run on the xla backend (torch's "
+                "checkpoint finds no XLA device module): train this model on eager, compile "
+                "or jax, or without the checkpoint"
+            ) from None
 
     @contextlib.contextmanager
     def scope(self, last: bool) -> Iterator[None]:
