@@ -4,13 +4,14 @@ translates), and each group's learning rate per step."""
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.lr_scheduler import LRScheduler
 
 from accel.config import ConfigError
 
@@ -113,6 +114,31 @@ class OptimizerSpec:
 
 ScheduleFn = Callable[[int], float]
 
+# What torch's schedulers change of a group besides its rate (OneCycleLR and CyclicLR cycle
+# Adam's beta1 or SGD's momentum), which each step takes from the user's groups as it takes the
+# rate: values of the step on every backend, never constants of a compiled program.
+FOLLOWED = {"AdamW": ("betas", "weight_decay"), "Adam": ("betas", "weight_decay")}
+FOLLOWED["SGD"] = ("momentum", "weight_decay")
+
+
+class GroupRates(list):
+    """Each param group's learning rate for a step (a list of floats), and `followed`: per
+    group, the values of FOLLOWED as the user's groups hold them then (empty: the spec's)."""
+
+    def __init__(self, rates: Iterable[float], followed: Iterable[dict[str, Any]] = ()):
+        super().__init__(rates)
+        self.followed = list(followed)
+
+
+def followed_values(kind: str, group: dict[str, Any]) -> dict[str, Any]:
+    """A torch param group's values of FOLLOWED[kind], as floats (torch takes tensors too)."""
+    out: dict[str, Any] = {}
+    for key in FOLLOWED[kind]:
+        if key in group:
+            value = group[key]
+            out[key] = tuple(float(v) for v in value) if key == "betas" else float(value)
+    return out
+
 
 class LearningRates:
     """Each param group's learning rate at an optimizer step, as plain numbers, so a changing
@@ -136,26 +162,28 @@ class LearningRates:
         self.scales = [g.lr_scale for g in spec.groups]
         self.stepped = 0
 
-    def __call__(self, step: int) -> list[float]:
+    def __call__(self, step: int) -> GroupRates:
         s = self.schedule
-        if s is None and self.optimizer is not None:
-            rates = [float(g["lr"]) for g in self.optimizer.param_groups]
-        elif s is None:
-            rates = self.base
-        elif isinstance(s, torch.optim.lr_scheduler.LRScheduler):
+        if isinstance(s, LRScheduler):
             while self.stepped < step:  # the scheduler counts its own steps
                 with warnings.catch_warnings():  # the user's optimizer never steps: accel's does
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
                     s.step()
                 self.stepped += 1
-            rates = [float(g["lr"]) for g in s.optimizer.param_groups]
+        followed = self.user_optimizer() if s is None or isinstance(s, LRScheduler) else None
+        if followed is not None:
+            groups = followed.param_groups
+            rates = [float(g["lr"]) for g in groups]
+            others = [followed_values(self.spec.kind, g) for g in groups]
+        elif s is None or isinstance(s, LRScheduler):
+            rates, others = self.base, []
         else:
             first = self.base[0] or 1.0
-            rates = [float(s(step)) * b / first for b in self.base]
-        return [r * k for r, k in zip(rates, self.scales, strict=True)]
+            rates, others = [float(s(step)) * b / first for b in self.base], []
+        return GroupRates([r * k for r, k in zip(rates, self.scales, strict=True)], others)
 
     def user_optimizer(self) -> torch.optim.Optimizer | None:
-        if isinstance(self.schedule, torch.optim.lr_scheduler.LRScheduler):
+        if isinstance(self.schedule, LRScheduler):
             return self.schedule.optimizer
         return self.optimizer
 
@@ -169,7 +197,7 @@ class LearningRates:
         rates they had (`saved`), which their own scheduler, restored from its state_dict, goes
         on from. A scheduler given as `schedule` is stepped from its start as it was for the
         saved run's last step instead, which leaves both it and the optimizer as they were."""
-        if isinstance(self.schedule, torch.optim.lr_scheduler.LRScheduler):
+        if isinstance(self.schedule, LRScheduler):
             self(max(step - 1, 0))  # the rates of the step before `step`: the last one taken
             return
         optimizer = self.user_optimizer()

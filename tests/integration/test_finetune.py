@@ -103,7 +103,7 @@ def test_layer_decay_gives_each_parameter_timms_learning_rate_scale(backend, tmp
     want = {names[id(p)]: g["lr_scale"] for g in groups for p in g["params"]}
     if backend == "jax":
         translated = backend_.optimizer  # optax, one chain per group, each at its own rate
-        rates = translated.rates(1e-3).tolist()
+        rates = translated.rates(1e-3)["lr"].tolist()
         groups = zip(translated.spec.groups, rates, strict=True)
         got = {n: r / 1e-3 for g, r in groups for n in g.names}
     else:

@@ -981,3 +981,83 @@ def test_a_bad_loss_is_one_line_naming_the_users_line_without_accels_frames(back
     assert not [f for f in inner if "backends" in Path(f).parts], inner  # no backend's frame
     assert not [f for f in frames if "site-packages" in f.filename and "contextlib" not in
                 f.filename]  # fmt: skip
+
+
+# --- what the user's scheduler changes besides the rate -----------------------------------------
+SCHEDULES = {
+    "onecycle-adamw": (
+        lambda p: torch.optim.AdamW(p, lr=0.01, weight_decay=0.05),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=8),
+    ),
+    "onecycle-sgd": (
+        lambda p: torch.optim.SGD(p, lr=0.01, momentum=0.9, nesterov=True),
+        lambda o: torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.2, total_steps=8),
+    ),
+    "warm-restarts": (
+        lambda p: torch.optim.AdamW(p, lr=0.03, betas=(0.8, 0.95)),
+        lambda o: torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(o, T_0=3),
+    ),
+}
+
+
+def scheduled_losses(backend: str | None, schedule: str) -> list[float]:
+    """Eight steps of a script that steps its own scheduler after each: on a backend, or as the
+    plain torch loop (None). On a backend, no graph compiled after the second step (xla's
+    first builds the optimizer's state)."""
+    build_optimizer, build_scheduler = SCHEDULES[schedule]
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = build_optimizer(model.parameters())
+    scheduler = build_scheduler(optimizer)
+    data = [(torch.randn(8, 6), torch.randint(0, 3, (8,))) for _ in range(8)]
+    losses = []
+    if backend is None:
+        for batch in data:
+            loss = cross_entropy(model, batch)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            losses.append(loss.item())
+        return losses
+    engine = accel.prepare(model, optimizer, cross_entropy, backend=backend, quiet=True)
+    compiled = []
+    for batch in data:
+        losses.append(engine.fetch([engine.step(*batch)])[0].loss)
+        scheduler.step()
+        compiled.append(engine.stats().graphs_compiled)
+    assert compiled[1:] == compiled[1:2] * (len(data) - 1), compiled
+    return losses
+
+
+@pytest.mark.parametrize("schedule", list(SCHEDULES))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_what_the_scheduler_changes_besides_the_rate_is_followed_on_every_backend(
+    backend, schedule
+):
+    """OneCycleLR cycles AdamW's beta1 and SGD's momentum (cycle_momentum); each step takes
+    them, as the rate, from the user's groups: the plain loop's losses, with no recompile."""
+    want = scheduled_losses(None, schedule)
+    got = scheduled_losses(backend, schedule)
+    tolerance = 1e-6 if backend == "eager" else 1e-5
+    assert got == pytest.approx(want, rel=tolerance, abs=tolerance)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_changed_beta2_is_followed_or_refused_in_one_line_on_jax(backend):
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    engine = accel.prepare(model, optimizer, cross_entropy, backend=backend, quiet=True)
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    engine.fetch([engine.step(*batch)])
+    optimizer.param_groups[0]["betas"] = (0.9, 0.95)
+    before = {k: v.cpu().clone() for k, v in engine.state_dict().items()}
+    if backend != "jax":
+        engine.fetch([engine.step(*batch)])
+        assert not torch.equal(engine.state_dict()["weight"].cpu(), before["weight"])
+        return
+    with pytest.raises(accel.AccelError) as refused:
+        engine.step(*batch)
+    assert "\n" not in str(refused.value) and "beta2" in str(refused.value)
+    assert all(torch.equal(engine.state_dict()[k].cpu(), v) for k, v in before.items())

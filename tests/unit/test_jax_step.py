@@ -38,7 +38,8 @@ def call(step, inputs, targets, w=None):
     params = {"w": jnp.zeros(3) if w is None else w}
     state = sgd().init(params)
     batch = (inputs[None], targets[None])  # one micro-step
-    return step(params, state, {}, jnp.int32(0), {}, batch, jnp.array([0.1]), jnp.float32(0))
+    rates = {"lr": jnp.array([0.1])}
+    return step(params, state, {}, jnp.int32(0), {}, batch, rates, jnp.float32(0))
 
 
 def test_the_step_applies_plain_sgd_to_the_mean_gradient(step):
@@ -73,7 +74,7 @@ def test_constants_the_loss_writes_carry_over_micro_steps_and_come_out():
     batch = (jnp.ones((3, 2, 3)), jnp.zeros((3, 2)))  # three micro-steps of two rows
     consts = {"seen": jnp.float32(1.0), "kept": jnp.arange(2)}
     *_, written, _ = step(params, sgd().init(params), {}, jnp.int32(0), consts, batch,
-                          jnp.array([0.1]), jnp.float32(0))  # fmt: skip
+                          {"lr": jnp.array([0.1])}, jnp.float32(0))  # fmt: skip
     assert float(written["seen"]) == 7.0  # 1 + 3 x 2, each micro-step after the one before
     np.testing.assert_array_equal(written["kept"], jnp.arange(2))
 
@@ -90,7 +91,7 @@ def test_weights_the_loss_does_not_read_are_left_as_they_were():
     params = {"w": jnp.ones(3), "v": jnp.ones(2)}
     batch = (jnp.ones((1, 2, 3)), jnp.zeros((1, 2)))
     new, state, *_ = step(params, optimizer.init(params), {}, jnp.int32(0), {}, batch,
-                          jnp.array([0.1]), jnp.float32(0))  # fmt: skip
+                          {"lr": jnp.array([0.1])}, jnp.float32(0))  # fmt: skip
     np.testing.assert_array_equal(new["v"], jnp.ones(2))
     assert not np.allclose(new["w"], jnp.ones(3))
     moments = optimizer.named(state)

@@ -12,15 +12,18 @@ import torch
 
 from accel.backends.jax.values import host_value, to_jax, to_torch
 from accel.config import ConfigError
-from accel.optim import OptimizerSpec
+from accel.optim import OptimizerSpec, followed_values
 
 
 class OptaxGroups:
     """torch.optim.AdamW, Adam and SGD as optax transforms, one chain per param group over that
     group's parameters (by name), so every group keeps its own hyperparameters and its state
     maps one to one onto torch's (`step`, `exp_avg`, `exp_avg_sq`; `momentum_buffer`). The
-    learning rate is not part of a chain: the step multiplies each group's update by -lr, the
-    rate being an argument of the step (a changing schedule never recompiles it)."""
+    learning rate is not part of a chain: the step multiplies each group's update by -lr. The
+    rate and what a scheduler changes besides (beta1, momentum, weight decay: optim.FOLLOWED;
+    beta2 stays as built, check_beta2) are arguments of the step (`rates`), so a changing
+    schedule never recompiles it; which transforms a chain holds is the user's optimizer's, as
+    built."""
 
     def __init__(self, spec: OptimizerSpec):
         refused = spec.refusals(translatable=True)
@@ -32,14 +35,17 @@ class OptaxGroups:
         self.spec = spec
         self.chains = [self._chain(g.hyper) for g in spec.groups]
 
-    def _chain(self, h: dict) -> optax.GradientTransformation:
-        decay = [optax.add_decayed_weights(h["weight_decay"])] if h.get("weight_decay") else []
+    def _chain(self, h: dict, values: dict | None = None) -> optax.GradientTransformation:
+        """The group's chain: its transforms as `h` (the user's group) has them, with the
+        step's `values` (arrays: weight_decay, momentum, b1) where given."""
+        v = {**h, "b1": h["betas"][0], "b2": h["betas"][1]} if "betas" in h else dict(h)
+        v.update(values or {})
+        decay = [optax.add_decayed_weights(v["weight_decay"])] if h.get("weight_decay") else []
         if self.spec.kind == "SGD":
-            momentum = [optax.trace(h["momentum"], h["nesterov"])] if h.get("momentum") else []
+            momentum = [optax.trace(v["momentum"], h["nesterov"])] if h.get("momentum") else []
             parts = [*decay, *momentum]  # torch's SGD: decay coupled to the gradient
             return optax.chain(*parts) if parts else optax.identity()
-        b1, b2 = h["betas"]
-        adam = optax.scale_by_adam(b1=b1, b2=b2, eps=h["eps"])
+        adam = optax.scale_by_adam(b1=v["b1"], b2=v["b2"], eps=h["eps"])
         if self.spec.kind == "AdamW" or h.get("decoupled_weight_decay"):
             return optax.chain(adam, *decay)  # decoupled: p -= lr * (adam + wd * p)
         return optax.chain(*decay, adam)  # Adam's L2: the decay joins the gradient
@@ -50,22 +56,37 @@ class OptaxGroups:
     def init(self, params: dict) -> tuple:
         return tuple(c.init(p) for c, p in zip(self.chains, self._split(params), strict=True))
 
-    def update(self, grads: dict, state: tuple, params: dict, lrs: jax.Array) -> tuple:
-        """(new params, new state); `lrs`: one rate per group."""
+    def update(self, grads: dict, state: tuple, params: dict, rates: dict) -> tuple:
+        """(new params, new state); `rates`: per name ("lr", and FOLLOWED's), one value per
+        group (`rates`)."""
         new_params, new_state = dict(params), []
-        parts = zip(self.chains, self._split(grads), state, self._split(params), strict=True)
-        for i, (chain, g, s, p) in enumerate(parts):
-            updates, s = chain.update(g, s, p)
+        parts = zip(self.spec.groups, self._split(grads), state, self._split(params), strict=True)
+        for i, (group, g, s, p) in enumerate(parts):
+            values = {k: v[i] for k, v in rates.items() if k != "lr"}
+            updates, s = self._chain(group.hyper, values).update(g, s, p)
             new_state.append(s)
             for n, u in updates.items():
-                new_params[n] = (p[n] - lrs[i] * u).astype(p[n].dtype)
+                new_params[n] = (p[n] - rates["lr"][i] * u).astype(p[n].dtype)
         return new_params, tuple(new_state)
 
-    def rates(self, lr: float | list[float]) -> jax.Array:
-        """One base rate (each group scaled by its lr_scale), or one rate per group."""
+    def rates(self, lr: float | list[float]) -> dict[str, jax.Array]:
+        """The step's values by name, one per group: "lr" (one base rate, each group scaled by
+        its lr_scale, or one rate per group) and what the user's scheduler changes besides
+        (GroupRates.followed; else the groups' own)."""
+        groups = self.spec.groups
         if isinstance(lr, int | float):
-            lr = [lr * g.lr_scale for g in self.spec.groups]
-        return jnp.asarray(lr, jnp.float32)
+            lr = [lr * g.lr_scale for g in groups]
+        followed = getattr(lr, "followed", None) or [followed_values(self.spec.kind, g.hyper)
+                                                     for g in groups]  # fmt: skip
+        values: dict[str, list[float]] = {"lr": list(lr)}
+        for spec_group, group in zip(groups, followed, strict=True):
+            if "betas" in group:
+                check_beta2(spec_group.hyper["betas"][1], group["betas"][1])
+                group = {**group, "b1": group["betas"][0]}
+            for key in ("b1", "momentum", "weight_decay"):
+                if key in group:
+                    values.setdefault(key, []).append(group[key])
+        return {k: jnp.asarray(v, jnp.float32) for k, v in values.items()}
 
     def to_torch(self, state: tuple) -> dict[str, dict[str, torch.Tensor]]:
         """torch's state by parameter name."""
@@ -108,6 +129,18 @@ class OptaxGroups:
                     s = _replace(s, optax.TraceState, optax.TraceState(trace=buffers))
             state.append(s)
         return tuple(state)
+
+
+def check_beta2(built: float, now: float) -> None:
+    """Adam's beta2 stays a constant of the step: optax computes 1 - beta2 in the arrays' float32,
+    which loses half its digits at 0.999 (torch computes it in float64). A scheduler that
+    changes it is refused in one line."""
+    if now != built:
+        raise ConfigError(
+            f"the jax backend keeps Adam's beta2 as the optimizer was built ({built}); your "
+            f"scheduler changed it to {now}: schedule beta1 only, or train on eager, compile "
+            "or xla"
+        )
 
 
 def _find(chain_state: tuple, kind: type) -> Any:

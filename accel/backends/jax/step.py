@@ -35,7 +35,7 @@ def make_train_step(
 ) -> TrainStep:
     """The whole optimizer step as one pure function (what torchax's make_train_step builds):
 
-        (params, opt_state, ema, count, consts, batch, lrs, ema_decay)
+        (params, opt_state, ema, count, consts, batch, rates, ema_decay)
             -> (params, opt_state, ema, count, consts,
                 [mean loss, 1.0 if applied else 0.0, *extras])
 
@@ -53,11 +53,11 @@ def make_train_step(
     pmean, the xla backend's all-reduce). A mesh with a tensor axis too (tensor parallelism)
     runs the gradients as one program over the global batch instead, the weights split as
     `grad_shardings` says, and XLA's partitioner adds the collectives. Then torch's clipping,
-    the optimizer (one rate per group, `lrs`), the EMA (empty `ema`: none), and a non-finite
-    loss or gradient leaves everything as it was, with no host sync. `count` (updates applied)
-    keys the random draws; `grad_shardings`: where the gradients go for a sharded update
-    (shard=, tp=); `weight_shardings` (a tensor axis only): where the weights are while the
-    gradients are computed."""
+    the optimizer (`rates`: by name, one value per group), the EMA (empty `ema`: none), and
+    a non-finite loss or gradient leaves everything as it was, with no host sync. `count`
+    (updates applied) keys the random draws; `grad_shardings`: where the gradients go for a
+    sharded update (shard=, tp=); `weight_shardings` (a tensor axis only): where the weights
+    are while the gradients are computed."""
     data = mesh.axis_names[0]  # the batch's axis (dp, or fsdp where the weights split too)
     # Each data replica's stream of draws, from prepare's seed and its index, as every backend
     # derives it (replica_seed); a replica's draws then follow from the step count alone.
@@ -157,12 +157,12 @@ def make_train_step(
         )
     )
 
-    def step(params, opt_state, ema, count, consts, batch, lrs, ema_decay):
+    def step(params, opt_state, ema, count, consts, batch, rates, ema_decay):
         loss, extras, grads, consts = grads_fn(params, consts, batch, count)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
         grads, norm = torch_clip(grads, clip_grad)
-        new_params, new_state = optimizer.update(grads, opt_state, params, lrs)
+        new_params, new_state = optimizer.update(grads, opt_state, params, rates)
         left = set(unread())  # asked now: the loss was traced above
         if left:
             new_params, new_state = keep_named(left, (new_params, new_state), (params, opt_state))

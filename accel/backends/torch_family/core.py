@@ -130,6 +130,7 @@ class TorchCore:
         self.master: dict[nn.Parameter, torch.Tensor] = {}
         self.measured: dict[str, int] = {}  # state_bytes, once the first step made the state
         self.extra_keys: list[str] = []  # the names of the loss function's extras
+        self.device_values = False  # capturable groups' rate and betas given as tensors
 
     def attach(
         self,
@@ -155,15 +156,23 @@ class TorchCore:
 
     def set_lr(self, lr: float | Sequence[float]) -> None:
         """One base rate (each group scaled by its `lr_scale`), or one rate per group of the
-        user's optimizer (a group split in two by OptimizerSpec.build takes its group's)."""
+        user's optimizer (a group split in two by OptimizerSpec.build takes its group's), with
+        the other values their scheduler changes where given (GroupRates.followed)."""
         groups = self.optimizer.param_groups
         if isinstance(lr, int | float):
             rates = [lr * g.get("lr_scale", 1.0) for g in groups]
         else:
             given = list(lr)
             rates = [given[g.get("spec_group", i)] for i, g in enumerate(groups)]
-        for group, rate in zip(groups, rates, strict=True):
-            group["lr"] = rate
+        followed = getattr(lr, "followed", [])
+        for i, (group, rate) in enumerate(zip(groups, rates, strict=True)):
+            values = {"lr": rate, **(followed[group.get("spec_group", i)] if followed else {})}
+            if self.device_values and group.get("capturable"):
+                values["lr"] = torch.tensor(float(rate), device=self.device)
+                if "betas" in values:
+                    betas = tuple(torch.tensor(b, device=self.device) for b in values["betas"])
+                    values["betas"] = betas
+            group.update(values)
 
     @property
     def optimizer_params(self) -> list[torch.Tensor]:

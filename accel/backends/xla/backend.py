@@ -58,6 +58,10 @@ class XlaBackend(BackendBase):
         self.optim = XlaOptimizer(cfg.step.kernel_opt, self.amp)
         guard, extra = self.optim.guard, self.optim.extra_state
         self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
+        # Adam's rate and betas as Python numbers are constants of XLA's graph where they round
+        # to 0 or 1 (1 - lr * wd at OneCycleLR's last rate) or enter as one (beta1 ** step):
+        # one compile per value. As device tensors they are values of it (capturable Adam).
+        self.core.device_values = True
         self.layout = XlaLayout(cfg.mesh, self.devices, self.core)
         self.batches = XlaBatches(cfg.compiler, cfg.step.accum, self.devices)
         parts = (self.devices, self.layout, self.batches, self.compiles)
