@@ -34,6 +34,7 @@ from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.settings import settle, with_keywords
 from accel.ties import tied_names
 from accel.user_model import TrainedOnRead
+from accel.user_optimizer import TrainedOptimizer, parameter_names
 from accel.workers import fork_server
 
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
@@ -175,6 +176,7 @@ def prepare(
     # default on Linux), unless the script chose a start method itself. The server imports
     # torch and the script once, not each worker of each pass. engine.close() puts it back.
     fork_server_use = fork_server.use_fork_server() if runner.threaded else None
+    names = parameter_names(optimizer, model)  # before xla moves the parameters
     runner.adopt(model, spec, loss_fn, init)
     if not quiet and ctx.is_main:
         print(f"accel: {config.backend} backend ({settled.why})", file=sys.stderr, flush=True)
@@ -197,6 +199,7 @@ def prepare(
     )
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
+    TrainedOptimizer(engine, optimizer, names)  # and its optimizer, on every backend
     return engine
 
 

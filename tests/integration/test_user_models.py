@@ -1061,3 +1061,40 @@ def test_a_changed_beta2_is_followed_or_refused_in_one_line_on_jax(backend):
         engine.step(*batch)
     assert "\n" not in str(refused.value) and "beta2" in str(refused.value)
     assert all(torch.equal(engine.state_dict()[k].cpu(), v) for k, v in before.items())
+
+
+# --- the user's optimizer reads and loads as the trained one ------------------------------------
+def imagenet_style_run(backend: str, path: Path, steps: range, load_after_prepare: bool):
+    """PyTorch's ImageNet example's checkpoint code, unchanged: `torch.save` of the model's and
+    the optimizer's state_dict(), and on resume `load_state_dict` of both, the optimizer's
+    before `prepare` (as the example resumes before its loop) or after. Returns the losses."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.05)
+    data = [(torch.randn(8, 6, generator=torch.Generator().manual_seed(i)),
+             torch.randint(0, 3, (8,), generator=torch.Generator().manual_seed(i)))
+            for i in range(6)]  # fmt: skip
+    checkpoint = torch.load(path, weights_only=True) if steps.start > 0 else None
+    if checkpoint is not None:
+        model.load_state_dict(checkpoint["state_dict"])
+        if not load_after_prepare:
+            optimizer.load_state_dict(checkpoint["optimizer"])
+    engine = accel.prepare(model, optimizer, cross_entropy, backend=backend, quiet=True)
+    if checkpoint is not None and load_after_prepare:
+        optimizer.load_state_dict(checkpoint["optimizer"])
+    losses = [engine.fetch([engine.step(*data[i])])[0].loss for i in steps]
+    torch.save({"state_dict": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
+    return losses
+
+
+@pytest.mark.parametrize("load_after_prepare", [False, True])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_scripts_own_checkpoint_code_resumes_bit_for_bit(tmp_path, backend, load_after_prepare):
+    whole = imagenet_style_run(backend, tmp_path / "whole.pt", range(6), load_after_prepare)
+    path = tmp_path / "resumed.pt"
+    first = imagenet_style_run(backend, path, range(3), load_after_prepare)
+    saved = torch.load(path, weights_only=True)["optimizer"]
+    assert sorted(saved["state"]) == list(range(4)) and float(saved["state"][0]["step"]) == 3
+    assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # torch's AdamW state
+    rest = imagenet_style_run(backend, path, range(3, 6), load_after_prepare)
+    assert first + rest == whole  # the moments came back: bit for bit
