@@ -12,7 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from accel.api import choose_backend, prepare
+    from accel.api import choose_backend, engine_of, prepare
     from accel.backends.base import BackendUnavailable, RecompileError
     from accel.engine import AccelError, Engine, StepResult
     from accel.settings import Settled, settle, with_keywords
@@ -25,12 +25,14 @@ __all__ = [
     "Settled",
     "StepResult",
     "choose_backend",
+    "engine_of",
     "prepare",
     "settle",
     "with_keywords",
 ]
 HOMES = {
     "choose_backend": "accel.api",
+    "engine_of": "accel.api",
     "prepare": "accel.api",
     "BackendUnavailable": "accel.backends.base",
     "RecompileError": "accel.backends.base",

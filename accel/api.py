@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -200,6 +201,35 @@ def prepare(
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
     TrainedOptimizer(engine, optimizer, names)  # and its optimizer, on every backend
+    ENGINES[model] = weakref.ref(engine)  # accel.engine_of(model)
+    return engine
+
+
+# Each model given to prepare -> its Engine, both held weakly: the registry keeps neither alive.
+ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
+
+
+def engine_of(model: nn.Module) -> Engine:
+    """The Engine `prepare` made for `model` (the module given to it), so that a function of
+    your script that receives the model needs no new argument to step it:
+
+    >>> import torch, accel
+    >>> model = torch.nn.Linear(4, 2)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> engine = accel.prepare(model, optimizer, lambda m, b: m(b[0]).pow(2).mean(),
+    ...                        backend="eager", quiet=True)
+    >>> def train_one(model, batch):  # the script's own function, its arguments unchanged
+    ...     return accel.engine_of(model).step(batch)
+    >>> accel.engine_of(model) is engine
+    True
+    """
+    found = ENGINES.get(model)
+    engine = found() if found is not None else None
+    if engine is None:
+        raise AccelError(
+            f"this {type(model).__name__} was not given to accel.prepare (or its engine is "
+            "gone): give engine_of the model you prepared"
+        )
     return engine
 
 
@@ -283,4 +313,4 @@ def check_float32(model: nn.Module) -> None:
     )
 
 
-__all__ = ["choose_backend", "prepare"]
+__all__ = ["choose_backend", "engine_of", "prepare"]

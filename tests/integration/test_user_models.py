@@ -1098,3 +1098,21 @@ def test_the_scripts_own_checkpoint_code_resumes_bit_for_bit(tmp_path, backend, 
     assert set(saved["state"][0]) == {"step", "exp_avg", "exp_avg_sq"}  # torch's AdamW state
     rest = imagenet_style_run(backend, path, range(3, 6), load_after_prepare)
     assert first + rest == whole  # the moments came back: bit for bit
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_function_given_the_model_finds_its_engine(backend):
+    def train_one(model: nn.Module, batch: tuple) -> float:  # the script's, arguments unchanged
+        engine = accel.engine_of(model)
+        return engine.fetch([engine.step(*batch)])[0].loss
+
+    torch.manual_seed(0)
+    model = nn.Linear(6, 3)
+    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.5), cross_entropy,
+                           backend=backend, quiet=True)  # fmt: skip
+    batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
+    assert accel.engine_of(model) is engine
+    losses = [train_one(model, batch) for _ in range(3)]
+    assert engine.state.step == 3 and losses[-1] < losses[0]
+    with pytest.raises(accel.AccelError, match="was not given to accel.prepare"):
+        accel.engine_of(nn.Linear(6, 3))
