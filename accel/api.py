@@ -15,6 +15,7 @@ from torch import nn
 
 from accel.backends import resolve_backend
 from accel.backends.base import BackendUnavailable, LossFn, ModelInit
+from accel.batches import BatchTrees
 from accel.checkpoint import flatten
 from accel.config import (
     AccelError,
@@ -178,7 +179,8 @@ def prepare(
     # torch and the script once, not each worker of each pass. engine.close() puts it back.
     fork_server_use = fork_server.use_fork_server() if runner.threaded else None
     names = parameter_names(optimizer, model)  # before xla moves the parameters
-    runner.adopt(model, spec, loss_fn, init)
+    trees = BatchTrees()  # batches as dicts, lists or tuples: the backend sees their tensors
+    runner.adopt(model, spec, trees.loss(loss_fn), init)
     if not quiet and ctx.is_main:
         print(f"accel: {config.backend} backend ({settled.why})", file=sys.stderr, flush=True)
     # The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
@@ -197,6 +199,7 @@ def prepare(
         max_recompiles=config.compiler.max_recompiles,
         model_given=model,
         on_close=fork_server_use.undo if fork_server_use else None,
+        trees=trees,
     )
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one

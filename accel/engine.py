@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from accel.backends.base import Backend, BackendStats, BackendUnavailable, MetricFn, StepResult
+from accel.batches import BatchTrees
 from accel.checkpoint import (
     BackendTensors,
     CheckpointParts,
@@ -51,9 +52,7 @@ from accel.loop import (
     check_recompiles,
     check_sharded,
     check_workers,
-    checked_batch,
     compiled_again,
-    loader_batch,
     say,
     user_errors,
 )
@@ -90,14 +89,15 @@ class Engine:
         max_recompiles: int = -1,
         model_given: nn.Module | None = None,
         on_close: Callable[[], None] | None = None,
+        trees: BatchTrees | None = None,
     ):
         """Made by `prepare` (not public). `rates`: the learning rate(s) of a step, by the steps
         done before it; `ema`: the EMA decay (0: none) or a function of the steps done, this one
         included; `state`: the loop state checkpoints carry; `max_recompiles`: graphs compiled
         after warm-up before a step stops (-1: any); `model_given`: the model prepare had;
-        `on_close`: puts back what prepare changed in the process (`close`)."""
+        `on_close`: undoes prepare's changes to the process; `trees`: the batches' structures."""
         self.runner, self._ctx, self.rates, self.on_close = backend, ctx, rates, on_close
-        self.accum, self.ema = accum, ema
+        self.accum, self.ema, self.trees = accum, ema, trees or BatchTrees()
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
         self.model_given = model_given
@@ -180,19 +180,19 @@ class Engine:
         """Whether `save` writes a folder of each rank's part (DCP), not one file from rank 0."""
         return self.runner.sharded_checkpoint
 
-    def loader(self, batches: Iterable[Sequence[torch.Tensor]]) -> Iterator[tuple]:
-        """Your loader's batches (tuples of tensors) on the device, prefetched (MpDeviceLoader on
-        xla, a pinned side stream on CUDA, sharded device puts on jax). Under several processes
-        each rank reads its own part of the data: a DataLoader needs a DistributedSampler."""
+    def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """Your loader's batches (tuples, dicts of tensors...) on the device, prefetched
+        (MpDeviceLoader on xla, a side stream on CUDA, sharded puts on jax). Under several
+        processes each rank reads its part of the data: a DataLoader needs a DistributedSampler."""
         check_sharded(batches, self.data_ranks)
         check_workers(batches)
-        return self.runner.device_batches(loader_batch(b) for b in batches)
+        return self.trees.loader(batches, self.runner.device_batches)
 
     def step(self, *batch: Any) -> Any:
         """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
         handle that stays on the device until `fetch`. The batch is split into the `accum`
         micro-batches here; `step_micro_batches` takes them already split."""
-        batch = checked_batch(batch)
+        batch = self.trees.step_batch(batch)
         try:
             return self.step_micro_batches(self.micro_batches(batch))
         except BackendUnavailable as err:  # an op the backend cannot lower: one line
@@ -226,7 +226,7 @@ class Engine:
         """The whole training step for a batch of these shapes, lowered and run nowhere, where
         one program compiles it: jax's `jax.stages.Lowered` (`.as_text()`, `.compile()`); for
         other `platforms` ('cuda' on a CPU), a `jax.export.Exported`. Others refuse in a line."""
-        batch, rates = checked_batch(batch), self.rates(self.state.step)
+        batch, rates = self.trees.step_batch(batch), self.rates(self.state.step)
         try:
             return self.runner.lowered_step(self.micro_batches(batch), rates, tuple(platforms))
         except BackendUnavailable as err:
@@ -247,7 +247,7 @@ class Engine:
         return results
 
     def evaluate(
-        self, batches: Iterable[Sequence[torch.Tensor]], metric_fn: MetricFn, ema: bool = False
+        self, batches: Iterable[Any], metric_fn: MetricFn, ema: bool = False
     ) -> dict[str, float]:
         """Sums of `metric_fn(model, batch)` ({name: tensor}) over the batches and the ranks,
         on the host; with `ema`, of the EMA weights. Divide the sums yourself (a count is one
@@ -255,7 +255,7 @@ class Engine:
         check_sharded(batches, self.data_ranks)
         check_workers(batches)
         with user_errors("evaluation"):
-            return self.runner.evaluate_sums((tuple(b) for b in batches), metric_fn, ema)
+            return self.runner.evaluate_sums(*self.trees.evaluation(batches, metric_fn), ema)
 
     @property
     def model(self) -> EvalModel:

@@ -69,46 +69,6 @@ def check_sharded(batches: Iterable, ranks: int) -> None:
         )
 
 
-def check_batch(batch: tuple) -> None:
-    """A step's batch is a tuple of tensors (or arrays) sharing their first, batch, axis."""
-    if not batch:
-        raise AccelError(
-            "engine.step() got no batch: give its tensors, engine.step(images, labels)"
-        )
-    for value in batch:
-        if isinstance(value, dict):
-            raise AccelError(
-                "a batch is tensors, not a dict: engine.step(batch['image'], batch['label']) "
-                "(loss_fn gets them as its batch tuple)"
-            )
-        shape = getattr(value, "shape", None)
-        if shape is None or len(shape) == 0:
-            kind = type(value).__name__ if shape is None else "a 0-dim tensor"
-            raise AccelError(f"a batch's tensors split along their first axis, got {kind}")
-
-
-def loader_batch(batch: Any) -> tuple:
-    """A DataLoader's batch as the step's tuple of tensors; a dict (Accelerate's and Hugging
-    Face datasets' way) is refused in one line naming its keys."""
-    if isinstance(batch, dict):
-        keys = ", ".join(repr(k) for k in batch)
-        raise AccelError(
-            f"engine.loader got a batch as a dict ({keys}): give it tuples of tensors (a "
-            "collate_fn returning (batch['image'], batch['label']), say); loss_fn gets the "
-            "tuple as its batch"
-        )
-    return tuple(batch)
-
-
-def checked_batch(batch: tuple) -> tuple:
-    """`step(images, labels)` or `step((images, labels))`: the batch's tuple of tensors,
-    checked."""
-    if len(batch) == 1 and isinstance(batch[0], tuple | list):
-        batch = tuple(batch[0])
-    check_batch(batch)
-    return batch
-
-
 def shape_text(shapes: tuple) -> str:
     return " ".join(str(list(shape)) for shape in shapes)
 

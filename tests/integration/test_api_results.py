@@ -202,7 +202,7 @@ def test_a_model_with_nothing_to_train_is_refused_at_prepare(backend):
 @pytest.mark.parametrize(
     ("batch", "match"),
     [
-        (({"image": torch.zeros(4, 3, 8, 8), "label": torch.zeros(4)},), "not a dict"),
+        (({"image": torch.zeros(4, 3, 8, 8), "path": "a.jpg"},), r"\['path'\] is a str"),
         ((torch.zeros(4, 3, 8, 8), torch.tensor(1)), "a 0-dim tensor"),
         ((), "got no batch"),
     ],

@@ -945,20 +945,62 @@ def test_host_tensors_the_loss_closes_over_train_as_on_eager(backend):
     assert losses(backend) == pytest.approx(losses("eager"), **PARITY)
 
 
+def dict_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    inputs = batch["inputs"]["x"] * batch["scale"][0]
+    return nn.functional.cross_entropy(model(inputs), batch["label"])
+
+
+def dict_metric(model: nn.Module, batch: dict) -> dict:
+    loss = nn.functional.cross_entropy(model(batch["inputs"]["x"]), batch["label"], reduction="sum")
+    return {"loss": loss, "count": torch.tensor(float(len(batch["label"])))}
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_a_loader_of_dict_batches_is_refused_in_one_line_naming_the_keys(backend):
-    """A DataLoader that gives dicts (Accelerate's and datasets' default) is refused by
-    engine.loader in one line, on every backend (it crashed inside accel)."""
+def test_batches_of_dicts_and_lists_train_as_tuples_do(backend):
+    """A DataLoader of dicts (Accelerate's and datasets' default), nested, through
+    engine.loader, step, evaluate and the loss function: each tensor split along its first
+    axis (accumulation in two), the losses and sums of the same tensors given as tuples."""
+
+    def trained(as_dicts: bool) -> tuple[list[float], dict]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        data = vector_batches(3)
+        if as_dicts:
+            rows = [{"inputs": {"x": x}, "label": y, "scale": [torch.full((len(y),), 2.0)]}
+                    for x, y in data]  # fmt: skip
+            engine = accel.prepare(model, optimizer, dict_loss, backend=backend, quiet=True,
+                                   accum=2)  # fmt: skip
+            loader = torch.utils.data.DataLoader(rows, batch_size=None)
+            batches = list(engine.loader(loader))
+            assert isinstance(batches[0], dict) and isinstance(batches[0]["scale"], list)
+            metric, evaluated = dict_metric, rows
+        else:
+            engine = accel.prepare(model, optimizer, lambda m, b: cross_entropy(m, (b[0] * 2, b[1])),
+                                   backend=backend, quiet=True, accum=2)  # fmt: skip
+            batches, metric, evaluated = list(engine.loader(data)), summed_loss, data
+        losses = [r.loss for r in engine.fetch([engine.step(b) for b in batches])]
+        return losses, engine.evaluate(evaluated, metric)
+
+    (losses, sums), (tuple_losses, tuple_sums) = trained(True), trained(False)
+    assert losses == pytest.approx(tuple_losses, **PARITY)
+    assert sums == pytest.approx(tuple_sums, **PARITY)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_batch_that_changes_its_structure_or_holds_a_string_is_one_line(backend):
     torch.manual_seed(0)
     model = nn.Linear(4, 3)
-    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), cross_entropy,
-                           backend=backend, quiet=True)  # fmt: skip
-    data = [{"image": x, "label": y} for x, y in vector_batches(2)]
-    with pytest.raises(accel.AccelError) as caught:
-        for batch in engine.loader(torch.utils.data.DataLoader(data, batch_size=None)):
-            engine.step(*batch)
-    message = str(caught.value)
-    assert "'image', 'label'" in message and "collate_fn" in message and "\n" not in message
+    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1),
+                           lambda m, b: cross_entropy(m, (b["x"], b["y"])), backend=backend,
+                           quiet=True)  # fmt: skip
+    x, y = vector_batches(1)[0]
+    with pytest.raises(accel.AccelError) as refused:
+        engine.step({"x": x, "y": y, "path": ["a.jpg"] * len(y)})
+    assert "['path'][0] is a str" in str(refused.value) and "\n" not in str(refused.value)
+    engine.step({"x": x, "y": y})
+    with pytest.raises(accel.AccelError, match="changed its structure"):
+        engine.step({"y": y, "x": x})
 
 
 @pytest.mark.parametrize("returned", ["none", "vector"])
@@ -1114,5 +1156,5 @@ def test_a_function_given_the_model_finds_its_engine(backend):
     assert accel.engine_of(model) is engine
     losses = [train_one(model, batch) for _ in range(3)]
     assert engine.state.step == 3 and losses[-1] < losses[0]
-    with pytest.raises(accel.AccelError, match="was not given to accel.prepare"):
+    with pytest.raises(accel.AccelError, match=r"was not given to accel\.prepare"):
         accel.engine_of(nn.Linear(6, 3))

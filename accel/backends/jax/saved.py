@@ -242,6 +242,10 @@ class SavedSteps:
         optimizer: Any,
         cfg: BackendConfig,
     ):
+        # The batch's structure the step gives the user's function (BatchTrees.loss): read at
+        # each key, since it is known from the first step; the function's code, unwrapped.
+        self.batch_tree: Callable[[], str] = getattr(loss_fn, "batch_tree", lambda: "")
+        loss_fn = inspect.unwrap(loss_fn)
         files = code_files(module, loss_fn) if folder is not None and SERIALIZES else None
         self.folder = folder if files is not None else None
         if self.folder is None:
@@ -268,7 +272,7 @@ class SavedSteps:
         return self.folder is not None
 
     def key(self, args: Any) -> str:
-        text = f"{self.identity}|{arguments_identity(args)}"
+        text = f"{self.identity}|{self.batch_tree()}|{arguments_identity(args)}"
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
     def load(self, key: str, args: Any) -> tuple[jax.export.Exported, dict] | None:
