@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from accel.config import AccelError
-from accel.losses import SoftTargetBatches
 
 
 @dataclass(frozen=True)
@@ -106,7 +105,8 @@ class BatchTrees:
 
     def __init__(self) -> None:
         self.training: Tree | None = None
-        self.metrics: dict[Callable, tuple[Callable, list[Tree]]] = {}
+        # by the metric function's id (it may not hash): it, its wrapper, its batches' structure
+        self.metrics: dict[int, tuple[Callable, Callable, list[Tree]]] = {}
 
     def step_batch(self, batch: tuple) -> tuple:
         """`step(images, labels)`, `step((images, labels))` or `step(batch_dict)`: the
@@ -127,8 +127,9 @@ class BatchTrees:
 
     def loss(self, loss_fn: Callable) -> Callable:
         """`loss_fn` as the backend runs it: on the batch's tensors, given back to it in the
-        batch's structure. The command line's soft-target loss takes tuples, as it is."""
-        if isinstance(loss_fn, SoftTargetBatches):
+        batch's structure. A loss that says how it reads its batch to the layouts that compute
+        it their own way (accel.losses.SoftTargetBatches) takes tuples, as it is."""
+        if reads_tuples(loss_fn):
             return loss_fn
 
         @functools.wraps(loss_fn)  # __wrapped__: jax's saved steps key on the user's function
@@ -144,7 +145,8 @@ class BatchTrees:
     ) -> tuple[Iterator[tuple], Callable]:
         """(the batches' tensors, `metric_fn` given each batch back in its structure): one
         wrapper per metric function, so a backend's program for it is compiled once."""
-        if metric_fn not in self.metrics:
+        known = self.metrics.get(id(metric_fn))
+        if known is None or known[0] is not metric_fn:
             seen: list[Tree] = []
 
             @functools.wraps(metric_fn)
@@ -152,8 +154,9 @@ class BatchTrees:
                 tree = seen[0]
                 return metric_fn(model, leaves if tree.flat else tree.unflatten(leaves))
 
-            self.metrics[metric_fn] = on_leaves, seen
-        wrapper, seen = self.metrics[metric_fn]
+            wrapper = metric_fn if reads_tuples(metric_fn) else on_leaves
+            known = self.metrics[id(metric_fn)] = metric_fn, wrapper, seen
+        _, wrapper, seen = known
         return _same_tree(batches, seen, "engine.evaluate's batch"), wrapper
 
     def loader(
@@ -164,6 +167,13 @@ class BatchTrees:
         seen: list[Tree] = []
         for leaves in to_device(_same_tree(batches, seen, "engine.loader's batch")):
             yield leaves if seen[0].flat else seen[0].unflatten(leaves)
+
+
+def reads_tuples(fn: Callable) -> bool:
+    """Whether `fn` says how it reads its batch to the layouts that compute it their own way
+    (accel.losses.SoftTargetBatches, ClassificationBatches: the command line's): those take
+    tuples. Their protocols' methods, looked up here without importing the losses (timm)."""
+    return hasattr(fn, "soft_target_parts") or hasattr(fn, "classification_parts")
 
 
 def _same_tree(batches: Iterable[Any], seen: list[Tree], where: str) -> Iterator[tuple]:

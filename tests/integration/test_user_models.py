@@ -976,8 +976,9 @@ def test_batches_of_dicts_and_lists_train_as_tuples_do(backend):
             assert isinstance(batches[0], dict) and isinstance(batches[0]["scale"], list)
             metric, evaluated = dict_metric, rows
         else:
-            engine = accel.prepare(model, optimizer, lambda m, b: cross_entropy(m, (b[0] * 2, b[1])),
-                                   backend=backend, quiet=True, accum=2)  # fmt: skip
+            doubled = lambda m, b: cross_entropy(m, (b[0] * 2, b[1]))  # noqa: E731
+            engine = accel.prepare(model, optimizer, doubled, backend=backend, quiet=True,
+                                   accum=2)  # fmt: skip
             batches, metric, evaluated = list(engine.loader(data)), summed_loss, data
         losses = [r.loss for r in engine.fetch([engine.step(b) for b in batches])]
         return losses, engine.evaluate(evaluated, metric)
