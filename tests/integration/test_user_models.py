@@ -556,6 +556,31 @@ def test_float_inputs_at_o1_train_as_on_eager(backend):
     assert vit(backend) == pytest.approx(vit("eager"), rel=2e-2)  # bfloat16 matmuls
 
 
+class KeywordLayers(nn.Module):
+    """torch's functions called with their own keywords, as timm's EVA-02 calls F.linear."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv, self.lin = nn.Conv2d(3, 4, 3, padding=1), nn.Linear(4, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = nn.functional.conv2d(x, weight=self.conv.weight, bias=self.conv.bias, padding=1)
+        return nn.functional.linear(
+            input=x.mean((2, 3)), weight=self.lin.weight, bias=self.lin.bias
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_layers_called_with_torchs_keywords_train_at_o1_as_on_eager(backend):
+    def losses(on: str) -> list[float]:
+        torch.manual_seed(0)
+        model = KeywordLayers()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        return run(on, model, optimizer, image_batches(3), amp="O1")[1]
+
+    assert losses(backend) == pytest.approx(losses("eager"), rel=2e-2)  # bfloat16 matmuls
+
+
 # --- what eager does inside a forward: no_grad blocks, running statistics, Python state --------
 class NoGradScale(nn.Module):
     """A weight read only inside a no_grad block: eager gives it no gradient."""

@@ -8,6 +8,9 @@ differentiates the whole trace:
 - `HostConstants`: a host tensor the loss or the model closes over (a normalisation's mean and
   std made outside `loss_fn`) meets the traced values as a constant on the devices, as it would
   be moved on the other backends.
+- `TorchSignatures`: a torch function called with the keywords torch names its arguments by
+  (`F.linear(input=x, weight=w)`, as timm's EVA-02 calls it) reaches torchax's lowering, which
+  names them otherwise, with them by position.
 - `PythonState`: a forward that changes a module's Python attributes (a call counter) would
   change them once, at the trace, not at every step: refused in one line, naming the attribute.
 """
@@ -15,7 +18,9 @@ differentiates the whole trace:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -70,6 +75,37 @@ class HostConstants(TorchFunctionMode):
         ):
             args, kwargs = jax.tree.map(lambda v: as_constant(v) if is_host(v) else v, values)
         return func(*args, **kwargs)
+
+
+class TorchSignatures(TorchFunctionMode):
+    """While active, the arguments a torch function takes by position are handed to it by
+    position, whatever keywords the call named them by: torchax's lowerings name their
+    parameters their own way (F.linear's `input` is its `self`)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        signature = torch_signature(func) if kwargs else None
+        if signature is not None:
+            try:
+                bound = signature.bind(*args, **kwargs)
+            except TypeError:  # not torch's own arguments: the lowering says so itself
+                pass
+            else:
+                args, kwargs = bound.args, bound.kwargs
+        return func(*args, **kwargs)
+
+
+@functools.cache
+def torch_signature(func: Callable) -> inspect.Signature | None:
+    """torch's signature of `func`, a builtin having none of its own: torch.overrides' table
+    gives, for each of torch's functions, a lambda taking the same parameters."""
+    override = _testing_overrides().get(func)
+    return None if override is None else inspect.signature(override)
+
+
+@functools.cache
+def _testing_overrides() -> dict[Callable, Callable]:
+    return torch.overrides.get_testing_overrides()
 
 
 def leaves(value: Any) -> Iterator[Any]:
@@ -261,4 +297,12 @@ class PythonState:
                 )
 
 
-__all__ = ["METADATA", "HostConstants", "NoGradCuts", "PythonState", "leaves", "own_backwards"]
+__all__ = [
+    "METADATA",
+    "HostConstants",
+    "NoGradCuts",
+    "PythonState",
+    "TorchSignatures",
+    "leaves",
+    "own_backwards",
+]

@@ -26,6 +26,7 @@ from accel.backends.jax.trace_rules import (
     HostConstants,
     NoGradCuts,
     PythonState,
+    TorchSignatures,
     leaves,
     own_backwards,
 )
@@ -75,7 +76,9 @@ class Objective(torch.nn.Module):
         self.reads: ParameterReads | None = None
 
     def forward(self, *batch: torch.Tensor) -> Any:
-        with self.reads or contextlib.nullcontext():
+        # TorchSignatures innermost: the first to see each call, its arguments by position for
+        # every mode and lowering after it.
+        with self.reads or contextlib.nullcontext(), TorchSignatures():
             return self.fn(self.model, batch)
 
 
@@ -97,10 +100,14 @@ class InputsAsWeights(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in LOW_PRECISION_LAYERS and len(args) >= 2:
-            x, weight = args[0], args[1]
-            if x.is_floating_point() and x.dtype != weight.dtype:
-                args = (x.to(weight.dtype), *args[1:])
+        if func in LOW_PRECISION_LAYERS:  # torch's own keywords too: F.linear(x, weight=w)
+            x = args[0] if args else kwargs.get("input")
+            weight = args[1] if len(args) >= 2 else kwargs.get("weight")
+            if weight is not None and x.is_floating_point() and x.dtype != weight.dtype:
+                if args:
+                    args = (x.to(weight.dtype), *args[1:])
+                else:
+                    kwargs = {**kwargs, "input": x.to(weight.dtype)}
         return func(*args, **kwargs)
 
 
