@@ -169,7 +169,10 @@ class TorchCore:
             values = {"lr": rate, **(followed[group.get("spec_group", i)] if followed else {})}
             if self.device_values and group.get("capturable"):
                 values["lr"] = torch.tensor(float(rate), device=self.device)
-                if "betas" in values:
+                built = group.setdefault("built_betas", group["betas"])
+                if values.get("betas", built) != built:  # scheduled, from now on
+                    group["scheduled_betas"] = True
+                if group.get("scheduled_betas") and "betas" in values:  # a read of beta1 a step
                     betas = tuple(torch.tensor(b, device=self.device) for b in values["betas"])
                     values["betas"] = betas
             group.update(values)

@@ -60,7 +60,8 @@ class XlaBackend(BackendBase):
         self.core = TorchCore(self.amp, self.device, self.amp.master_weights, guard, extra)
         # Adam's rate and betas as Python numbers are constants of XLA's graph where they round
         # to 0 or 1 (1 - lr * wd at OneCycleLR's last rate) or enter as one (beta1 ** step):
-        # one compile per value. As device tensors they are values of it (capturable Adam).
+        # one compile per value. As device tensors they are values of it (capturable Adam); a
+        # scheduled beta1 is then read on the host each step (torch's AdamW lerps by a number).
         self.core.device_values = True
         self.layout = XlaLayout(cfg.mesh, self.devices, self.core)
         self.batches = XlaBatches(cfg.compiler, cfg.step.accum, self.devices)
