@@ -80,14 +80,18 @@ def prepare(
 
     model: any nn.Module (timm, torchvision, your own); or one built on the meta device
         (`with torch.device("meta"):`) with `init` building it with its starting values, so
-        that a sharded layout never holds a whole copy on every rank.
+        that a sharded layout never holds a whole copy on every rank. A model wrapped in
+        DataParallel or DistributedDataParallel trains the module it wraps (accel splits the
+        batch and reduces the gradients itself).
     optimizer: a torch.optim.AdamW, Adam or SGD over the model's parameters, with its param
         groups (their own lr and weight decay; timm's `lr_scale` for layer decay). accel rebuilds
-        it over the tensors it updates (jax: translates it to optax); yours is not stepped.
+        it over the tensors it updates (jax: translates it to optax); yours is not stepped, but
+        its state_dict() and load_state_dict() are the engine's (accel/user_optimizer.py).
     loss_fn: (model, batch) -> scalar tensor, or (loss, {name: scalar tensor}) whose extras
-        (training accuracy, say) come back with the loss in `fetch`; `batch` is the tuple given
-        to `step`. Call the model inside: every backend traces it. Read no value on the host
-        (no `.item()`).
+        (training accuracy, say) come back with the loss in `fetch`; `batch` is what `step`
+        was given (the tuple of `step(x, y)`, or the dict, list or tuple of `step(batch)`).
+        Call the model inside: every backend traces it. Read no value on the host (no
+        `.item()`).
     schedule: the base learning rate as a function of the optimizer step (each group keeps its
         ratio to the first group's rate), or a torch LRScheduler bound to `optimizer` that accel
         steps. Without it each step takes `optimizer`'s groups' rates as they are then: step
@@ -141,6 +145,7 @@ def prepare(
     """
     if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
         raise AccelError("prepare runs as the script is imported: call it under its main guard")
+    given, model = model, unwrapped(model)
     config = with_keywords(
         config, backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
         ema=ema, devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
@@ -204,7 +209,7 @@ def prepare(
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
     TrainedOptimizer(engine, optimizer, names)  # and its optimizer, on every backend
-    ENGINES[model] = weakref.ref(engine)  # accel.engine_of(model)
+    ENGINES[model] = ENGINES[given] = weakref.ref(engine)  # accel.engine_of(model)
     return engine
 
 
@@ -234,6 +239,15 @@ def engine_of(model: nn.Module) -> Engine:
             "gone): give engine_of the model you prepared"
         )
     return engine
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The module inside torch's data-parallel wrappers (DataParallel, DistributedDataParallel),
+    which a script moved onto accel may still apply: accel splits the batch and reduces the
+    gradients itself, so it trains the module wrapped (whose parameters the wrapper's are)."""
+    while isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+        model = model.module
+    return model
 
 
 def check_same_on_every_rank(cfg: BackendConfig) -> None:

@@ -1184,3 +1184,22 @@ def test_a_function_given_the_model_finds_its_engine(backend):
     assert engine.state.step == 3 and losses[-1] < losses[0]
     with pytest.raises(accel.AccelError, match=r"was not given to accel\.prepare"):
         accel.engine_of(nn.Linear(6, 3))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_model_wrapped_in_data_parallel_trains_the_module_it_wraps(backend):
+    """A script moved onto accel that still wraps its model (DataParallel here; DDP alike):
+    the wrapped module trains as it would alone, and engine_of finds the engine from either."""
+
+    def trained(wrap: bool) -> tuple[list[float], dict]:
+        torch.manual_seed(0)
+        model = nn.Linear(4, 3)
+        given = nn.DataParallel(model) if wrap else model
+        optimizer = torch.optim.SGD(given.parameters(), lr=0.5)
+        engine, losses = run(backend, given, optimizer, vector_batches(3))
+        assert accel.engine_of(given) is engine and accel.engine_of(model) is engine
+        return losses, engine.state_dict()
+
+    (losses, state), (alone, alone_state) = trained(True), trained(False)
+    assert losses == alone and sorted(state) == ["bias", "weight"]
+    assert all(torch.equal(state[k], alone_state[k]) for k in state)
