@@ -78,20 +78,21 @@ class HostConstants(TorchFunctionMode):
 
 
 class TorchSignatures(TorchFunctionMode):
-    """While active, the arguments a torch function takes by position are handed to it by
-    position, whatever keywords the call named them by: torchax's lowerings name their
-    parameters their own way (F.linear's `input` is its `self`)."""
+    """While active, the arguments a torch function requires (those without a default) are
+    handed to it by position, whatever keywords the call named them by: torchax's lowerings
+    name them their own way (F.linear's `input` is its `self`). Optional ones stay as given:
+    lowerings take some only by keyword (gelu's `approximate`)."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         signature = torch_signature(func) if kwargs else None
         if signature is not None:
-            try:
-                bound = signature.bind(*args, **kwargs)
-            except TypeError:  # not torch's own arguments: the lowering says so itself
-                pass
-            else:
-                args, kwargs = bound.args, bound.kwargs
+            args, kwargs = list(args), dict(kwargs)
+            for param in list(signature.parameters.values())[len(args) :]:
+                positional = param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
+                if not positional or param.default is not param.empty or param.name not in kwargs:
+                    break
+                args.append(kwargs.pop(param.name))
         return func(*args, **kwargs)
 
 
