@@ -1204,3 +1204,27 @@ def test_a_model_wrapped_in_data_parallel_trains_the_module_it_wraps(backend):
     (losses, state), (alone, alone_state) = trained(True), trained(False)
     assert losses == alone and sorted(state) == ["bias", "weight"]
     assert all(torch.equal(state[k], alone_state[k]) for k in state)
+
+
+@pytest.mark.xla
+@pytest.mark.skipif(not HAS_XLA, reason="torch_xla is not installed: pip install 'accel[xla]'")
+def test_an_xla_engine_reports_its_own_host_fallbacks_not_the_processs():
+    """A scheduled beta1 is read on the host each xla step (torch's AdamW lerps by a number):
+    that engine's stats say so; a later engine in the same process starts from none."""
+    scheduled = scheduled_engine_stats(cycle=True)
+    assert scheduled.get("aten::_local_scalar_dense", 0) >= 7
+    assert "aten::_local_scalar_dense" not in scheduled_engine_stats(cycle=False)
+
+
+def scheduled_engine_stats(cycle: bool) -> dict[str, int]:
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, max_lr=0.05, total_steps=8, cycle_momentum=cycle
+    )
+    engine = accel.prepare(model, optimizer, cross_entropy, backend="xla", quiet=True)
+    for batch in vector_batches(8):
+        engine.fetch([engine.step(*batch)])
+        scheduler.step()
+    return engine.stats().fallback_ops

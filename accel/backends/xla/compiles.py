@@ -27,8 +27,9 @@ def counters() -> dict[str, float]:
     }
 
 
-def fallback_ops() -> dict[str, int]:
-    """aten ops that ran on the CPU outside the XLA graph, with their call counts."""
+def fallback_ops() -> dict[str, float]:
+    """aten ops that ran on the CPU outside the XLA graph, with their call counts (this
+    process's)."""
     return {name: met.counter_value(name) or 0 for name in met.executed_fallback_ops()}
 
 
@@ -39,6 +40,7 @@ class XlaCompiles:
         # The persistent cache is set before the first computation.
         self.persistent_cache = init_compile_cache(cache_dir, readonly)
         self.since_start = SinceStart(counters)  # the counters are per process, not per run
+        self.fallbacks = SinceStart(fallback_ops)  # likewise: this backend's own
         self.evaluation = 0  # graphs compiled by evaluation
 
     def step_compiles(self) -> int:
@@ -61,5 +63,5 @@ class XlaCompiles:
             "compile_time_s": spent["compile_time_s"],
             "persistent_cache": self.persistent_cache,
             "persistent_cache_hits": int(spent["cache_hits"]),
-            "fallback_ops": fallback_ops(),
+            "fallback_ops": {op: int(n) for op, n in self.fallbacks().items() if n > 0},
         }
