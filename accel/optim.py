@@ -170,16 +170,13 @@ class LearningRates:
                     warnings.filterwarnings("ignore", "Detected call of `lr_scheduler")
                     s.step()
                 self.stepped += 1
-        followed = self.user_optimizer() if s is None or isinstance(s, LRScheduler) else None
-        if followed is not None:
-            groups = followed.param_groups
-            rates = [float(g["lr"]) for g in groups]
-            others = [followed_values(self.spec.kind, g) for g in groups]
-        elif s is None or isinstance(s, LRScheduler):
-            rates, others = self.base, []
-        else:
+        rates, others = self.base, []  # no schedule and no optimizer of the user's
+        if s is not None and not isinstance(s, LRScheduler):
             first = self.base[0] or 1.0
-            rates, others = [float(s(step)) * b / first for b in self.base], []
+            rates = [float(s(step)) * b / first for b in self.base]
+        elif (followed := self.user_optimizer()) is not None:
+            rates = [float(g["lr"]) for g in followed.param_groups]
+            others = [followed_values(self.spec.kind, g) for g in followed.param_groups]
         return GroupRates([r * k for r, k in zip(rates, self.scales, strict=True)], others)
 
     def user_optimizer(self) -> torch.optim.Optimizer | None:
