@@ -178,11 +178,14 @@ def prepare(
         init_process_group(ctx)
         check_same_on_every_rank(config)
     runner = module.build(config, ctx)
-    # Workers forked from a process whose runtime runs threads (JAX) may deadlock, and Python
-    # warns of it: the script's DataLoaders start theirs from a fork server (Python 3.14's
-    # default on Linux), unless the script chose a start method itself. The server imports
-    # torch and the script once, not each worker of each pass. engine.close() puts it back.
-    fork_server_use = fork_server.use_fork_server() if runner.threaded else None
+    # Workers forked from a process that runs threads may deadlock on a lock one of them held
+    # (malloc's, a runtime's), and Python warns of it: JAX's runtime runs threads, and so does
+    # the process group of a process that joined its peers (gloo's, NCCL's). There the
+    # script's DataLoaders start theirs from a fork server (Python 3.14's default on Linux),
+    # unless the script chose a start method itself. The server imports torch and the script
+    # once, not each worker of each pass. engine.close() puts it back.
+    forks_unsafely = runner.threaded or ctx.distributed
+    fork_server_use = fork_server.use_fork_server() if forks_unsafely else None
     names = parameter_names(optimizer, model)  # before xla moves the parameters
     trees = BatchTrees()  # batches as dicts, lists or tuples: the backend sees their tensors
     runner.adopt(model, spec, trees.loss(loss_fn), init)

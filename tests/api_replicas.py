@@ -11,6 +11,7 @@ OUT/exit_RANK.json whether the group was still there when its own exit functions
 
 import atexit
 import json
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -66,6 +67,8 @@ def main() -> None:
             "plain_evaluated": {k: float(sum(float(p[k]) for p in plain)) for k in sums},
             "dtypes": sorted({str(t.dtype) for t in state.values()}),
             "devices": sorted({t.device.type for t in state.values()}),
+            # how the script's DataLoaders would start their workers (it chose no method)
+            "start_method": multiprocessing.get_start_method(allow_none=True),
         }
         if backend == "xla":  # its state bytes are whole tensors': the params' own sharding
             import torch_xla.distributed.spmd as xs

@@ -10,6 +10,8 @@ import json
 import os
 import re
 import runpy
+import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -308,7 +310,9 @@ class Command:
             self.process = subprocess.Popen(
                 [sys.executable, *python],
                 cwd=cwd,
-                env={**os.environ, **(env or {})},
+                # A command that hangs shows where: SIGABRT (run_command's at its timeout)
+                # prints each thread's Python stack, in it and in every process it starts.
+                env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})},
                 stdin=subprocess.DEVNULL,
                 stdout=stdout,
                 stderr=stderr,
@@ -355,14 +359,36 @@ def start_cli(*args: str, env: dict | None = None) -> Command:
 
 
 def run_command(command: Command, timeout: int) -> subprocess.CompletedProcess:
-    """`command` to its end, as subprocess.run: killed, and TimeoutExpired raised, at `timeout`."""
+    """`command` to its end, as subprocess.run. Past `timeout` it fails with the stacks of every
+    thread of it and of the processes it started (each aborted, faulthandler printing them), and
+    the end of its output; none of them is left running."""
     try:
         out, err = command.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        command.kill()
-        command.communicate()
-        raise
+        out, err = stop_hung(command)
+        raise AssertionError(
+            f"{shlex.join(command.args)} ran past {timeout} s: its stdout's end\n{out[-2000:]}\n"
+            f"its stderr's end, with each process's stacks\n{err[-12000:]}"
+        ) from None
     return subprocess.CompletedProcess(command.args, command.returncode, out, err)
+
+
+def stop_hung(command: Command) -> tuple[str, str]:
+    """Abort `command` and every process under it (their stacks then reach its stderr, which
+    they share), kill what is left; its stdout and stderr."""
+    try:
+        parent = psutil.Process(command.pid)
+        family = [*reversed(parent.children(recursive=True)), parent]
+    except psutil.NoSuchProcess:
+        family = []
+    for process in family:  # the deepest first: a parent aborted first might take its children
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.send_signal(signal.SIGABRT)
+    psutil.wait_procs(family, timeout=10)
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.kill()
+    return command.communicate()
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:

@@ -67,6 +67,8 @@ def test_two_processes_under_torchrun_equal_one(one_replica, tmp_path, shard):
         "torch.distributed.run", *torchrun, "eager", "1", str(tmp_path), shard, out=tmp_path
     )
     close(result, one_replica, 1e-6)
+    # Each rank runs gloo's threads: its DataLoaders' workers come from a fork server
+    assert result["start_method"] == "forkserver"
     # The script never destroys its group; accel does before the interpreter's teardown, where
     # gloo's threads could abort the rank (exit -6, "terminate called without an active exception")
     for rank in (0, 1):

@@ -83,7 +83,7 @@ def run(
     else:
         assert words[0] == "torchrun", command
         env.update({"PET_MASTER_PORT": str(port)} if port else {})
-        done = run_module("torch.distributed.run", *words[1:], env=env)
+        done = run_module("torch.distributed.run", *words[1:], env=env, timeout=300)
     assert done.returncode == 0, f"{command}\n{done.stdout[-1500:]}\n{done.stderr[-3000:]}"
     if stderr is not None:
         stderr.append(done.stderr)

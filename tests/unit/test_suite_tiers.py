@@ -15,6 +15,7 @@ import threading
 import types
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests import conftest, forking, helpers
@@ -69,6 +70,29 @@ def test_the_command_line_exits_with_its_code_and_a_killed_one_with_the_signal(t
     running = start_cli("--steps", "100000", "--workers", "0", "--output", str(tmp_path))
     running.send_signal(signal.SIGKILL)
     assert running.wait(timeout=60) == -signal.SIGKILL
+
+
+def test_a_command_that_hangs_fails_with_the_stacks_of_it_and_its_children(tmp_path):
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import subprocess, sys, time\n"
+        "def parent_waits():\n"
+        "    subprocess.run([sys.executable, '-c', 'import time\\ndef child_sleeps():\\n"
+        "    time.sleep(600)\\nchild_sleeps()'])\n"
+        "print('started', flush=True)\n"
+        "parent_waits()\n"
+    )
+    command = helpers.Command([], script=str(script))
+    with pytest.raises(AssertionError, match="ran past 8 s") as hung:
+        helpers.run_command(command, timeout=8)
+    message = str(hung.value)
+    assert "started" in message  # its output so far
+    assert "in child_sleeps" in message and "in parent_waits" in message  # where each one was
+    assert not [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "child_sleeps" in " ".join(p.info["cmdline"] or [])
+    ]  # nothing left running
 
 
 # --- no fork of a threaded process ----------------------------------------------------------
