@@ -381,10 +381,16 @@ def stop_hung(command: Command) -> tuple[str, str]:
         family = [*reversed(parent.children(recursive=True)), parent]
     except psutil.NoSuchProcess:
         family = []
-    for process in family:  # the deepest first: a parent aborted first might take its children
+    # All stopped where they hang, then aborted one at a time, the deepest first: stacks written
+    # to the one stderr at once would interleave, and a parent would move on once its child ended.
+    for process in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.suspend()
+    for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.send_signal(signal.SIGABRT)
-    psutil.wait_procs(family, timeout=10)
+            process.resume()
+            psutil.wait_procs([process], timeout=5)
     for process in family:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()

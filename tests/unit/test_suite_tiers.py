@@ -72,6 +72,7 @@ def test_the_command_line_exits_with_its_code_and_a_killed_one_with_the_signal(t
     assert running.wait(timeout=60) == -signal.SIGKILL
 
 
+@pytest.mark.slow  # two interpreters, and the 8 s they hang
 def test_a_command_that_hangs_fails_with_the_stacks_of_it_and_its_children(tmp_path):
     script = tmp_path / "hangs.py"
     script.write_text(
