@@ -2,8 +2,7 @@
 ship inside the package, written out as 32-px JPEGs offline by data.prepare.prepare_digits),
 vit_micro for 4 epochs with augmentation fitting centred digits (bench/convergence.py's flags,
 with a learning rate of 3e-3 for the short schedule; that script runs 15 epochs and draws the
-curves). eager reaches 0.6 top-1 (0.66 when measured); the other backends land within 0.1 of
-it."""
+curves). eager reaches 0.6 top-1 (0.66 when measured); xla and jax land within 0.1 of it."""
 
 from __future__ import annotations
 
@@ -19,8 +18,10 @@ EPOCHS, LR, EAGER_TOP1, DISTANCE = 4, "3e-3", 0.6, 0.1
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
     data = prepare_digits(tmp_path_factory.mktemp("digits"))
-    # The installed backends: without torch_xla (make test-latest) the other three.
-    backends = tuple(b for b in BACKENDS if b in INSTALLED)
+    # The installed backends but compile, which trains eager's numbers with inductor's kernels
+    # (its losses are eager's to 1e-5 in every parity test; bench/convergence.py draws its
+    # curve), and would add 30 s of the suite's time; without torch_xla (make test-latest) two.
+    backends = tuple(b for b in BACKENDS if b in INSTALLED and b != "compile")
     # bench/convergence.py's flags, the images decoded in the training process: the batches
     # its loader workers give (test_user_commands.py), without a fork server and workers to start.
     flags = (*FLAGS, "--data", str(data), "--epochs", str(EPOCHS), "--lr", LR, "--workers", "0")
@@ -47,7 +48,7 @@ def test_the_digits_folder_is_the_real_dataset(tmp_path):
 
 
 @pytest.mark.slow  # four backends, four epochs each, through the command line
-def test_eager_reaches_the_stated_accuracy_and_every_backend_follows(runs):
+def test_eager_reaches_the_stated_accuracy_and_xla_and_jax_follow(runs):
     table = curves(runs)
     assert all(len(values) == EPOCHS for values in table.values())
     assert table["eager"][-1] >= EAGER_TOP1
