@@ -7,6 +7,7 @@ such; every model runs in a process of its own, so that one that ends its proces
 
     python bench/timm_zoo.py                                   # every family, every backend
     python bench/timm_zoo.py --models convnext_atto,eva02_tiny_patch14_224 --backends jax
+    python bench/timm_zoo.py --models crossvit_tiny_240 --update   # one row again, the rest kept
 
 Written to bench/results/TAG.json (default cpu-timm-zoo) with the device and versions, and a
 table to TAG.md. About 25 minutes on a 2-core CPU.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -64,6 +66,9 @@ FAMILIES = {
 BACKENDS = ("eager", "compile", "xla", "jax")
 SIZE, BATCH, CLASSES, STEPS = 64, 4, 5, 3
 AS_EAGER = 1e-4  # the losses' largest relative distance from eager's still called eager's
+# How accel words an error raised in the user's code while it ran the step ("RuntimeError in the
+# step at FILE:LINE (...): ..."), not a refusal of its own.
+MODELS_OWN_ERROR = re.compile(r"^[\w.]+ in the [\w ]+ at ")
 
 
 @dataclass
@@ -132,10 +137,13 @@ def outcome(name: str, backend: str, eager: list[float] | None) -> Outcome:
     start = time.perf_counter()
     try:
         got = losses(name, backend)
-    except AccelError as refusal:  # accel's own words: a refusal
-        return Outcome(name, backend, "refused", line=first_line(refusal), seconds=seconds(start))
-    except Exception as err:  # anything else the model met on the way
-        status = "eager cannot train it" if eager is None else "failed"
+    except Exception as err:
+        if eager is None:
+            status = "eager cannot train it"
+        elif isinstance(err, AccelError) and not MODELS_OWN_ERROR.match(str(err)):
+            status = "refused"  # accel's own refusal, before or at the first step
+        else:
+            status = "failed"  # an error raised in the model's code, or anything else
         return Outcome(name, backend, status, line=first_line(err), seconds=seconds(start))
     if eager is None:
         return Outcome(name, backend, "as eager", 0.0, seconds=seconds(start), losses=got)
@@ -191,27 +199,39 @@ def table(outcomes: list[Outcome], backends: tuple[str, ...]) -> str:
     return "\n".join(rows) + "\n"
 
 
+def kept(tag: str, models: list[str]) -> list[Outcome]:
+    """The outcomes recorded in bench/results/TAG.json of models other than `models`."""
+    path = ROOT / "bench" / "results" / f"{tag}.json"
+    rows = json.loads(path.read_text())["outcomes"] if path.exists() else []
+    return [Outcome(**row) for row in rows if row["model"] not in models]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(FAMILIES.values()))
     p.add_argument("--backends", default=",".join(BACKENDS))
     p.add_argument("--tag", default="cpu-timm-zoo")
+    p.add_argument("--update", action="store_true",
+                   help="keep TAG.json's other models, replacing those run now")  # fmt: skip
     p.add_argument("--one", help=argparse.SUPPRESS)  # one model, its outcomes as JSON
     args = p.parse_args()
     backends = tuple(args.backends.split(","))
     if args.one:
         print(json.dumps([asdict(o) for o in one_model(args.one, backends)]))
         return
-    outcomes: list[Outcome] = []
     models = args.models.split(",")
+    outcomes = kept(args.tag, models) if args.update else []
+    markdown = ROOT / "bench" / "results" / f"{args.tag}.md"
     for i, name in enumerate(models, 1):
         found = in_own_process(name, backends)
         outcomes += found
         said = ", ".join(f"{o.backend} {o.status}" for o in found)
         print(f"[{i}/{len(models)}] {name}: {said}", flush=True)
-    write_result(args.tag, {"outcomes": [asdict(o) for o in outcomes], "as_eager": AS_EAGER})
-    markdown = ROOT / "bench" / "results" / f"{args.tag}.md"
-    markdown.write_text(table(outcomes, ("eager", *[b for b in backends if b != "eager"])))
+        # written after each model: a run stopped early keeps the models it finished
+        record = {"outcomes": [asdict(o) for o in outcomes], "as_eager": AS_EAGER}
+        record["models"] = len(dict.fromkeys(o.model for o in outcomes))
+        write_result(args.tag, record, quiet=True)
+        markdown.write_text(table(outcomes, ("eager", *[b for b in backends if b != "eager"])))
     print(markdown.read_text())
 
 
