@@ -116,6 +116,63 @@ def test_gelu_gives_torchs_values_and_gradients(env, approximate):
     np.testing.assert_allclose(grad, want_grad, rtol=1e-5, atol=1e-5)
 
 
+# Each torch function accel lowers, called as torch allows: its whole argument list by position,
+# or its arguments by their keywords (a lowering must take torch's names and arity, not a subset).
+F = torch.nn.functional
+SIGNATURE_CASES = {  # what the case calls: the function accel lowers, and the call
+    "torch.layer_norm, all by position": (
+        torch.layer_norm,
+        lambda t: torch.layer_norm(t, [6], None, None, 1e-5, True),
+    ),
+    "F.layer_norm by keyword": (
+        F.layer_norm,
+        lambda t: F.layer_norm(input=t, normalized_shape=(6,), weight=None, bias=None, eps=1e-3),
+    ),
+    "F.gelu by keyword": (F.gelu, lambda t: F.gelu(input=t, approximate="tanh")),
+    "torch.cdist by keyword": (
+        torch.cdist,
+        lambda t: torch.cdist(x1=t[0], x2=t[1] * 2, p=2.0, compute_mode="use_mm_for_euclid_dist"),
+    ),
+    "torch.max_pool2d, all by position": (
+        torch.max_pool2d,
+        lambda t: torch.max_pool2d(t, 2, 1, 0, 1, False),
+    ),
+    "F.max_pool2d by keyword": (
+        F.max_pool2d,
+        lambda t: F.max_pool2d(
+            input=t,
+            kernel_size=2,
+            stride=1,
+            padding=0,
+            dilation=1,
+            ceil_mode=True,
+            return_indices=False,
+        ),
+    ),
+    "torch.linalg.lstsq by keyword": (
+        torch.linalg.lstsq,
+        # torch's own keywords (its docs name them A and B)
+        lambda t: torch.linalg.lstsq(input=t[0], b=t[1][:, :2], rcond=None, driver="gelsy")[0],
+    ),
+}
+
+
+def test_every_torch_function_accel_lowers_has_a_signature_case():
+    lowered = {f for f in EAGER_LOWERINGS if not str(f).startswith("aten.")}  # not ATen's ops
+    assert lowered == {function for function, _ in SIGNATURE_CASES.values()}
+
+
+@pytest.mark.parametrize("case", SIGNATURE_CASES)
+def test_each_lowered_function_takes_torchs_arguments_as_torch_does(env, case):
+    x = np.random.default_rng(11).standard_normal((2, 6, 6)).astype(np.float32)
+    x[0] += 3 * np.eye(6, dtype=np.float32)  # lstsq's A: well conditioned
+    (value, grad), (want, want_grad) = value_and_grad(
+        env, lambda t: SIGNATURE_CASES[case][1](t).pow(2).sum(), x
+    )
+    assert value == pytest.approx(want, rel=1e-4)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-3, atol=1e-3)
+
+
 @pytest.mark.parametrize("kind", ["plain", "bias", "bias and mask", "causal"])
 def test_attention_on_xla_gives_torchs_values_and_gradients(env, kind):
     """torch's SDPA through the backend's XLA attention (recomputed_attention), a bias's

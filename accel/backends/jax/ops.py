@@ -141,8 +141,9 @@ def layer_norm(
     weight: torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
     eps: float = 1e-5,
+    cudnn_enable: bool = True,  # torch.layer_norm's last argument (F.layer_norm passes it); unused
 ) -> torch.Tensor:
-    """F.layer_norm (a missing weight or bias as ones or zeros)."""
+    """F.layer_norm and torch.layer_norm (a missing weight or bias as ones or zeros)."""
     dims = len(normalized_shape) if isinstance(normalized_shape, list | tuple) else 1
     shape = tuple(input.shape[-dims:])
     if weight is None:
@@ -285,7 +286,7 @@ def cdist(
 
 
 def lstsq(
-    A: torch.Tensor, B: torch.Tensor, rcond: float | None = None, *, driver: str | None = None
+    input: torch.Tensor, b: torch.Tensor, rcond: float | None = None, *, driver: str | None = None
 ) -> Any:
     """torch.linalg.lstsq's (solution, residuals, rank, singular_values), every part an array:
     the residuals and singular values empty, as torch's default driver on the CPU ('gelsy')
@@ -304,8 +305,8 @@ def lstsq(
         solution, rank = one(a, b)
         return (solution[..., 0] if vector else solution), rank.astype(jnp.int32)
 
-    solution, rank = runtime.interop.call_jax(solve, A, B)
-    empty = torch.empty(0, dtype=A.dtype, device=A.device)
+    solution, rank = runtime.interop.call_jax(solve, input, b)
+    empty = torch.empty(0, dtype=input.dtype, device=input.device)
     return torch.return_types.linalg_lstsq((solution, empty, rank, empty))  # type: ignore[attr-defined]
 
 
