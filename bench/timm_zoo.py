@@ -86,16 +86,21 @@ class Outcome:
 
 
 def build(name: str):
-    """The model with its weights drawn from seed 0, at SIZE px where it takes an image size."""
+    """The model with its weights drawn from seed 0, at SIZE px where it takes an image size,
+    without dropout or stochastic depth (swin's default): each backend draws its own random
+    numbers (docs/api.md), and the losses would differ by those draws alone."""
     import timm
     import torch
 
-    torch.manual_seed(0)
-    try:
-        return timm.create_model(name, num_classes=CLASSES, img_size=SIZE)
-    except TypeError:  # a convolutional net takes any size and no img_size keyword
+    # A convolutional net takes no img_size keyword, and a few nets no drop_path_rate.
+    sized, no_drops = {"img_size": SIZE}, {"drop_rate": 0.0, "drop_path_rate": 0.0}
+    for options in ({**sized, **no_drops}, no_drops, {"drop_rate": 0.0}, {}):
         torch.manual_seed(0)
-        return timm.create_model(name, num_classes=CLASSES)
+        try:
+            return timm.create_model(name, num_classes=CLASSES, **options)
+        except TypeError:
+            continue
+    raise TypeError(f"timm's {name} takes none of img_size, drop_rate and drop_path_rate")
 
 
 def batches() -> list:
