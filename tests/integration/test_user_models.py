@@ -564,7 +564,8 @@ def test_float_inputs_at_o1_train_as_on_eager(backend):
 
 
 class KeywordLayers(nn.Module):
-    """torch's functions called with their own keywords, as timm's EVA-02 calls F.linear."""
+    """torch's functions called with their own keywords, as timm's EVA-02 calls F.linear, and
+    an overload named by its keywords, as timm's EdgeNeXt calls `.to(device=, dtype=)`."""
 
     def __init__(self):
         super().__init__()
@@ -572,8 +573,9 @@ class KeywordLayers(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = nn.functional.conv2d(x, weight=self.conv.weight, bias=self.conv.bias, padding=1)
+        keep = ~torch.zeros(x.shape[1]).to(device=x.device, dtype=torch.bool)
         return nn.functional.linear(
-            input=x.mean((2, 3)), weight=self.lin.weight, bias=self.lin.bias
+            input=x.mean((2, 3)) * keep, weight=self.lin.weight, bias=self.lin.bias
         )
 
 

@@ -81,12 +81,14 @@ class TorchSignatures(TorchFunctionMode):
     """While active, the arguments a torch function requires (those without a default) are
     handed to it by position, whatever keywords the call named them by: torchax's lowerings
     name them their own way (F.linear's `input` is its `self`). Optional ones stay as given:
-    lowerings take some only by keyword (gelu's `approximate`)."""
+    lowerings take some only by keyword (gelu's `approximate`). torch's table gives one
+    signature of an overloaded function: a call naming a keyword it lacks means another
+    overload (`x.to(device=d, dtype=t)` is not `x.to(dtype, ...)`), and stays as given."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         signature = torch_signature(func) if kwargs else None
-        if signature is not None:
+        if signature is not None and kwargs.keys() <= signature.parameters.keys():
             args, kwargs = list(args), dict(kwargs)
             for param in list(signature.parameters.values())[len(args) :]:
                 positional = param.kind in (param.POSITIONAL_ONLY, param.POSITIONAL_OR_KEYWORD)
