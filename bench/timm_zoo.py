@@ -131,7 +131,8 @@ def losses(name: str, backend: str) -> list[float]:
 
 
 def first_line(err: BaseException) -> str:
-    lines = str(err).strip().splitlines()
+    """The error's type and first line, its paths relative to the project."""
+    lines = str(err).replace(f"{ROOT}/", "").strip().splitlines()
     return f"{type(err).__name__}: {lines[0] if lines else ''}"[:300]
 
 
