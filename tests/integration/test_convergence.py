@@ -47,7 +47,7 @@ def test_the_digits_folder_is_the_real_dataset(tmp_path):
     assert sorted(p.name for p in (root / "train").iterdir()) == [f"digit_{d}" for d in range(10)]
 
 
-@pytest.mark.slow  # four backends, four epochs each, through the command line
+@pytest.mark.slow  # three backends, four epochs each, through the command line
 def test_eager_reaches_the_stated_accuracy_and_xla_and_jax_follow(runs):
     table = curves(runs)
     assert all(len(values) == EPOCHS for values in table.values())
