@@ -10,7 +10,7 @@ such; every model runs in a process of its own, so that one that ends its proces
     python bench/timm_zoo.py --models crossvit_tiny_240 --update   # one row again, the rest kept
 
 Written to bench/results/TAG.json (default cpu-timm-zoo) with the device and versions, and a
-table to TAG.md. About 25 minutes on a 2-core CPU.
+table to TAG.md. About an hour on a 2-core CPU, most of it inductor's and XLA's compiles.
 """
 
 from __future__ import annotations
