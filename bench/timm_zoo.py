@@ -201,7 +201,9 @@ def table(outcomes: list[Outcome], backends: tuple[str, ...]) -> str:
     rows = [f"| model | {' | '.join(backends)} |", "|---" * (len(backends) + 1) + "|"]
     for name in dict.fromkeys(o.model for o in outcomes):
         mine = {o.backend: o for o in outcomes if o.model == name}
-        rows.append(f"| {name} | {' | '.join(cell(mine.get(b)) for b in backends)} |")
+        ended = mine.pop("process", None)  # in_own_process's: no backend's column is its own
+        label = name if ended is None else f"{name} ({cell(ended)})"
+        rows.append(f"| {label} | {' | '.join(cell(mine.get(b)) for b in backends)} |")
     return "\n".join(rows) + "\n"
 
 

@@ -22,8 +22,14 @@ BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile
 PARITY = {"rel": 1e-4, "abs": 1e-5}  # fp32 across compilers: the backends' parity tests' bound
 SLOW = pytest.mark.slow
 HERE = Path(__file__).name
-# eager in the fast tier, every backend in the full suite
-EVERY = [pytest.param(b, marks=[] if b == "eager" else [SLOW]) for b in BACKENDS]
+
+
+def tier(backend: str) -> list:
+    """eager in the fast tier, every backend in the full suite."""
+    return [] if backend == "eager" else [SLOW]
+
+
+EVERY = [pytest.param(b, marks=tier(b)) for b in BACKENDS]
 
 
 def timm_vit() -> nn.Module:
@@ -76,7 +82,7 @@ def plain_sums(model: nn.Module, data: list) -> dict[str, float]:
 @pytest.mark.parametrize(
     ("backend", "make"),
     [
-        pytest.param(b, m, marks=[] if b == "eager" else [SLOW])
+        pytest.param(b, m, marks=tier(b))
         for b in BACKENDS
         for m in sorted(MODELS)
         if (b, m) != ("compile", "torchvision_swin")
