@@ -35,7 +35,7 @@ from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.settings import settle, with_keywords
 from accel.ties import tied_names
-from accel.user_model import TrainedOnRead
+from accel.user_model import EvalModel, TrainedOnRead
 from accel.user_optimizer import TrainedOptimizer, parameter_names
 from accel.workers import fork_server
 
@@ -220,9 +220,9 @@ def prepare(
 ENGINES: weakref.WeakKeyDictionary[nn.Module, weakref.ref[Engine]] = weakref.WeakKeyDictionary()
 
 
-def engine_of(model: nn.Module) -> Engine:
-    """The Engine `prepare` made for `model` (the module given to it), so that a function of
-    your script that receives the model needs no new argument to step it:
+def engine_of(model: nn.Module | EvalModel) -> Engine:
+    """The Engine `prepare` made for `model` (the module given to it, or `engine.model`), so
+    that a function of your script that receives the model needs no new argument to step it:
 
     >>> import torch, accel
     >>> model = torch.nn.Linear(4, 2)
@@ -231,10 +231,12 @@ def engine_of(model: nn.Module) -> Engine:
     ...                        backend="eager", quiet=True)
     >>> def train_one(model, batch):  # the script's own function, its arguments unchanged
     ...     return accel.engine_of(model).step(batch)
-    >>> accel.engine_of(model) is engine
+    >>> accel.engine_of(model) is engine is accel.engine_of(engine.model)
     True
     """
-    found = ENGINES.get(model)
+    if isinstance(model, EvalModel) and isinstance(model.engine, Engine):
+        return model.engine
+    found = ENGINES.get(model) if isinstance(model, nn.Module) else None
     engine = found() if found is not None else None
     if engine is None:
         raise AccelError(

@@ -262,7 +262,7 @@ class Engine:
         """The trained model for your own evaluation loop: `engine.model(images)` runs it in
         eval mode without gradients on the backend and returns torch tensors on the inputs'
         device (the host for jax's), whatever the backend."""
-        return EvalModel(self.runner.forward, self.state_dict)
+        return EvalModel(self.runner.forward, self.state_dict, self)
 
     # --- what was trained -----------------------------------------------------------------------
     def state_dict(self, ema: bool = False) -> dict[str, torch.Tensor]:

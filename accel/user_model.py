@@ -52,13 +52,17 @@ class TrainedOnRead:
 
 class EvalModel:
     """`engine.model`: the model a script evaluates, as a module it can call. `eval()` and
-    `train()` are accepted and change nothing (the model trains only through engine.step), and
-    `state_dict()` is the trained weights (engine.state_dict)."""
+    `train()` are accepted and change nothing (the model trains only through engine.step),
+    `state_dict()` is the trained weights (engine.state_dict), and `accel.engine_of` gives its
+    engine back, so a script may hand it to its own train function as the model."""
 
     def __init__(
-        self, forward: Callable[[tuple], Any], state_dict: Callable[[], dict[str, torch.Tensor]]
+        self,
+        forward: Callable[[tuple], Any],
+        state_dict: Callable[[], dict[str, torch.Tensor]],
+        engine: object,
     ):
-        self.forward, self.trained_state = forward, state_dict
+        self.forward, self.trained_state, self.engine = forward, state_dict, engine
 
     def __call__(self, *inputs: Any) -> Any:
         first = inputs[0] if inputs else None

@@ -1,9 +1,11 @@
 """PyTorch's ImageNet example with a timm model, written the usual way (classic_loop.py: DDP
-under torchrun, autocast, loss.backward()) and moved onto accel (classic_loop_accel.py: the same
-loop on the backend ACCEL_BACKEND or USE_ACCEL names). `diff examples/classic_loop.py
-examples/classic_loop_accel.py` shows the edits.
+under torchrun, autocast, loss.backward(), a train() and a validate() that receive the model,
+per-step meters, a checkpoint of the model, optimizer and scheduler, --resume) and moved onto
+accel (classic_loop_accel.py: the same loop on the backend ACCEL_BACKEND or USE_ACCEL names).
+`diff examples/classic_loop.py examples/classic_loop_accel.py` shows the edits.
 
     python examples/classic_loop.py --steps 20 --out runs/classic
+    python examples/classic_loop.py --epochs 2 --resume runs/classic/checkpoint.pt --out runs/more
     ACCEL_BACKEND=jax python examples/classic_loop_accel.py --steps 20 --out runs/classic-jax
     torchrun --nproc_per_node 2 examples/classic_loop_accel.py --steps 20 --out runs/classic-ddp
     USE_ACCEL=1 python examples/classic_loop_accel.py --data /data/imagenet --full-size \
@@ -50,8 +52,10 @@ def parse() -> argparse.Namespace:
     p.add_argument("--img_size", type=int, default=32)
     p.add_argument("--batch_size", type=int, default=16)
     p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--lr_step", type=int, default=30, help="epochs between the rate's tenfold cuts")
     p.add_argument("--epochs", type=int, default=100)
     p.add_argument("--steps", type=int, default=0, help="stop after this many steps (0: none)")
+    p.add_argument("--resume", type=Path, help="a checkpoint this script wrote")
     p.add_argument("--amp", action="store_true", help="bfloat16 autocast")
     p.add_argument("--workers", type=int, default=2)
     p.add_argument("--out", type=Path, default=Path("runs/classic"))
@@ -79,13 +83,13 @@ def loaders(root: Path, size: int, batch: int, workers: int, distributed: bool) 
     )  # fmt: skip
     sampler = DistributedSampler(train_set, seed=0) if distributed else None
     val_sampler = DistributedSampler(val_set, shuffle=False) if distributed else None
-    order = torch.Generator().manual_seed(0)
+    order = torch.Generator()  # seeded each epoch: a resumed run sees what an unbroken one saw
     train = DataLoader(
         train_set, batch, shuffle=sampler is None, sampler=sampler, num_workers=workers,
         drop_last=True, generator=order,
     )  # fmt: skip
     val = DataLoader(val_set, batch, sampler=val_sampler, num_workers=workers, drop_last=True)
-    return train, val, sampler, len(train_set.classes)
+    return train, val, sampler, order, len(train_set.classes)
 
 
 def main() -> None:
@@ -102,7 +106,7 @@ def main() -> None:
         make_folder(root)
     if distributed:
         dist.barrier()
-    train, val, sampler, classes = loaders(
+    train_loader, val_loader, sampler, order, classes = loaders(
         root, args.img_size, args.batch_size, args.workers, distributed
     )
 
@@ -112,43 +116,75 @@ def main() -> None:
     model = model.to(device)
     model = nn.parallel.DistributedDataParallel(model) if distributed else model
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.05)
-    total = args.steps or args.epochs * len(train)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=args.lr_step, gamma=0.1)
     criterion = nn.CrossEntropyLoss(label_smoothing=0.1)
+    start_epoch, best_acc1 = 0, 0.0
+    if args.resume:
+        checkpoint = torch.load(args.resume, map_location=device, weights_only=True)
+        start_epoch, best_acc1 = checkpoint["epoch"], checkpoint["best_acc1"]
+        model.load_state_dict(checkpoint["state_dict"])
+        optimizer.load_state_dict(checkpoint["optimizer"])
+        scheduler.load_state_dict(checkpoint["scheduler"])
 
     losses = []
-    for epoch in range(args.epochs):
+    for epoch in range(start_epoch, args.epochs):
+        order.manual_seed(epoch)
         if sampler is not None:
             sampler.set_epoch(epoch)
-        model.train()
-        for images, targets in train:
-            images, targets = images.to(device), targets.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
-                output = model(images)
-                loss = criterion(output, targets)
-            acc1 = accuracy(output, targets)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            losses.append(loss.item())
-            if rank == 0 and len(losses) % 10 == 0:
-                print(f"step {len(losses)}: loss {losses[-1]:.4f}, train top-1 {acc1.item():.3f}")
-            if len(losses) == total:
-                break
-        correct, count = evaluate(model, val, device)
+        losses += train(train_loader, model, criterion, optimizer, epoch, device, args, len(losses))
+        acc1 = validate(val_loader, model, device)
+        scheduler.step()
+        best_acc1 = max(acc1, best_acc1)
         if rank == 0:
-            print(f"epoch {epoch}: loss {losses[-1]:.4f}, val top-1 {correct / count:.3f}")
-        if len(losses) == total:
+            print(f"epoch {epoch}: loss {losses[-1]:.4f}, val top-1 {acc1:.3f}")
+            state = {"epoch": epoch + 1, "state_dict": model.state_dict(), "best_acc1": best_acc1}
+            state |= {"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}
+            torch.save(state, args.out / "checkpoint.pt")
+        if len(losses) == args.steps:
             break
 
     if rank == 0:
-        torch.save(model.state_dict(), args.out / "checkpoint.pt")
         record = {"backend": "eager", "losses": losses}
         (args.out / "losses.json").write_text(json.dumps(record))
     if distributed:
         dist.destroy_process_group()
+
+
+class Meter:
+    """A value's last and mean, as the ImageNet example's AverageMeter keeps them."""
+
+    def __init__(self) -> None:
+        self.last, self.total, self.count = 0.0, 0.0, 0
+
+    def update(self, value: float, n: int) -> None:
+        self.last, self.total, self.count = value, self.total + value * n, self.count + n
+
+    def __str__(self) -> str:
+        return f"{self.last:.4f} ({self.total / self.count:.4f})"
+
+
+def train(loader, model, criterion, optimizer, epoch, device, args, done: int) -> list[float]:
+    """One epoch (or the steps left of args.steps, `done` taken); each step's loss."""
+    model.train()
+    losses, top1, each = Meter(), Meter(), []
+    for i, (images, targets) in enumerate(loader):
+        images, targets = images.to(device), targets.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+            output = model(images)
+            loss = criterion(output, targets)
+        acc1 = accuracy(output, targets)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        losses.update(loss.item(), len(images))
+        top1.update(acc1.item(), len(images))
+        each.append(losses.last)
+        if i % 10 == 0:
+            print(f"epoch {epoch} [{i + 1}/{len(loader)}]: loss {losses}, train top-1 {top1}")
+        if done + i + 1 == args.steps:
+            break
+    return each
 
 
 def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -157,17 +193,18 @@ def accuracy(output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, val: DataLoader, device: torch.device) -> tuple[float, float]:
+def validate(loader: DataLoader, model: nn.Module, device: torch.device) -> float:
+    """Top-1 accuracy over the validation set (every rank's part)."""
     model.eval()
     sums = torch.zeros(2, device=device)
-    for images, targets in val:
+    for images, targets in loader:
         images, targets = images.to(device), targets.to(device)
         predicted = model(images).argmax(-1)
         sums += torch.stack([(predicted == targets).sum(), targets.new_tensor(len(targets))])
     if dist.is_initialized():
         dist.all_reduce(sums)
     correct, count = sums.tolist()
-    return correct, count
+    return correct / count
 
 
 if __name__ == "__main__":

@@ -110,35 +110,45 @@ def test_minimal_gives_the_same_losses_on_every_backend(tmp_path):
 
 @pytest.fixture(scope="module")
 def classic(tmp_path_factory) -> tuple[dict, dict]:
-    """The plain script's run, as the README shows it (once: every backend compares with it):
-    its losses and its checkpoint."""
+    """The plain script's unbroken run (once: every backend compares with it): its losses and
+    its checkpoint (the model's, the optimizer's and the scheduler's state)."""
     folder = tmp_path_factory.mktemp("classic")
-    losses = run("python examples/classic_loop.py --steps 8 --out runs/classic", folder)
+    command = "python examples/classic_loop.py --epochs 2 --lr_step 1 --out runs/classic"
+    losses = run(command, folder)  # the second epoch at a tenth of the rate
     return losses, torch.load(folder / "runs" / "classic" / "checkpoint.pt", weights_only=True)
 
 
 # compile runs a script as eager does, with inductor's kernels (minimal.py on every backend
 # above): its 26 s of the suite's time here would show nothing more
 @pytest.mark.parametrize("backend", ["eager", "xla", "jax"] if HAS_XLA else ["eager", "jax"])
-def test_the_classic_loop_moved_onto_accel_trains_as_it_did(tmp_path, backend, classic):
-    """Its own validation loop and training accuracy, its DataLoader workers (started without
-    a fork in a threaded process on jax), and the plain script's losses."""
-    before, plain = classic
-    stderr: list[str] = []
-    after = run(
-        f"ACCEL_BACKEND={backend} python examples/classic_loop_accel.py --steps 8 "
-        f"--out runs/{backend}",
-        tmp_path,
-        stderr=stderr,
-    )
-    assert after["backend"] == backend
-    assert after["losses"] == pytest.approx(before["losses"], rel=1e-4, abs=1e-5)
-    assert "fork()" not in stderr[0], stderr[0][-2000:]
-    saved = torch.load(tmp_path / "runs" / backend / "checkpoint.pt", weights_only=True)
-    assert set(saved) == set(plain)
-    for name, value in saved.items():
+def test_the_classic_loop_moved_onto_accel_trains_and_resumes_as_it_did(tmp_path, backend, classic):
+    """Its train() given the model, its validation loop and training accuracy, its DataLoader
+    workers (started without a fork in a threaded process on jax), and its own checkpoint code,
+    unchanged: the plain unbroken run's losses, weights, optimizer moments and scheduler. On jax
+    (whose moments live in arrays of its own) an epoch, then a resume from the checkpoint the
+    script wrote; test_user_models.py resumes such a checkpoint on every backend, bit for bit."""
+    (before, plain), stderr = classic, []
+    script = f"ACCEL_BACKEND={backend} python examples/classic_loop_accel.py --lr_step 1"
+    runs = []
+    if backend == "jax":
+        runs.append(run(f"{script} --epochs 1 --out runs/first", tmp_path, stderr=stderr))
+        script += f" --resume {tmp_path / 'runs' / 'first' / 'checkpoint.pt'}"
+    runs.append(run(f"{script} --epochs 2 --out runs/last", tmp_path, stderr=stderr))
+    assert {r["backend"] for r in runs} == {backend}
+    losses = [loss for r in runs for loss in r["losses"]]
+    assert losses == pytest.approx(before["losses"], rel=1e-4, abs=1e-5)
+    assert not [e for e in stderr if "fork()" in e], stderr[0][-2000:]
+    saved = torch.load(tmp_path / "runs" / "last" / "checkpoint.pt", weights_only=True)
+    assert saved["epoch"] == plain["epoch"] == 2 and saved["scheduler"] == plain["scheduler"]
+    assert set(saved["state_dict"]) == set(plain["state_dict"])
+    for name, value in saved["state_dict"].items():
         assert value.device.type == "cpu"
-        assert value == pytest.approx(plain[name], rel=1e-3, abs=1e-4), name
+        assert value == pytest.approx(plain["state_dict"][name], rel=1e-3, abs=1e-4), name
+    moments, expected = saved["optimizer"]["state"], plain["optimizer"]["state"]
+    assert set(moments) == set(expected) and float(moments[0]["step"]) == 24
+    for index, state in moments.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert state[key] == pytest.approx(expected[index][key], rel=1e-3, abs=1e-6)
 
 
 def test_a_vit_split_by_tensors_trains_the_one_process_losses(tmp_path, free_port):

@@ -1189,7 +1189,8 @@ def test_a_function_given_the_model_finds_its_engine(backend):
                            backend=backend, quiet=True)  # fmt: skip
     batch = (torch.randn(8, 6), torch.randint(0, 3, (8,)))
     assert accel.engine_of(model) is engine
-    losses = [train_one(model, batch) for _ in range(3)]
+    losses = [train_one(model, batch) for _ in range(2)]
+    losses.append(train_one(engine.model, batch))  # `model = engine.model` after prepare, too
     assert engine.state.step == 3 and losses[-1] < losses[0]
     with pytest.raises(accel.AccelError, match=r"was not given to accel\.prepare"):
         accel.engine_of(nn.Linear(6, 3))
