@@ -124,10 +124,12 @@ def prepare(
         index, and saved with a checkpoint. A step neither reads nor advances torch's global
         generator: your data order, augmentation and initial weights stay yours to seed.
     attention: the jax backend's attention kernels: "xla" (XLA's own ops, no custom call),
-        "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU) or "auto"
-        (by shape: cuDNN for long unbiased sequences such as ViT's, XLA for biased or
-        short ones such as Swin's windows; accel/backends/jax/attention.py). The other
-        backends run torch's own attention.
+        "cudnn" (cuDNN flash attention wherever it takes the shape, on a CUDA GPU), "pallas"
+        (one fused kernel each way for windows of at most 128 tokens with a bias, Swin's:
+        Triton on a CUDA GPU, Pallas's interpreter elsewhere) or "auto" (by shape: cuDNN for
+        long unbiased sequences such as ViT's, the fused kernel for Swin's biased windows on a
+        GPU, XLA for the rest; accel/backends/jax/attention.py). The other backends run
+        torch's own attention.
     remat: recompute each block's activations in the backward, for memory: "none" (keep
         them all), "dots" (keep each block's matmul outputs, recompute the rest) or "full"
         (keep only each block's input); the same losses whichever (accel/parallel/remat.py).

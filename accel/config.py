@@ -21,7 +21,7 @@ AmpDtype = Literal["bfloat16", "float16"]
 ShardMode = Literal["none", "full", "grad_op"]
 PipelineSchedule = Literal["gpipe", "1f1b", "interleaved"]
 GradReduce = Literal["all_reduce", "optimizer_step"]
-AttentionChoice = Literal["auto", "cudnn", "xla"]
+AttentionChoice = Literal["auto", "cudnn", "pallas", "xla"]
 RematChoice = Literal["none", "dots", "full"]
 
 BACKENDS: tuple[str, ...] = get_args(BackendName)

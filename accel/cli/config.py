@@ -166,9 +166,9 @@ class RunConfig:
     )
     attention: str = option(
         "auto",
-        "jax's attention: XLA's ops, cuDNN flash attention (CUDA GPU), or by shape (auto: "
-        "cuDNN for long unbiased sequences, XLA for biased or short ones); the other backends use "
-        "torch's",
+        "jax's attention: XLA's ops, cuDNN flash attention (CUDA GPU), a fused Pallas kernel for "
+        "short biased windows (pallas), or by shape (auto: cuDNN for long unbiased sequences, "
+        "pallas for Swin's windows on a GPU, XLA for the rest); the other backends use torch's",
         choices=ATTENTION_CHOICES,
         group=PRECISION,
     )

@@ -83,8 +83,9 @@ def test_a_shape_cudnn_refuses_falls_back_to_xla_once_named():
 @pytest.mark.parametrize(
     ("tokens", "head_dim", "biased", "expected"),
     [
-        (49, 32, True, "xla"),  # Swin-T's windows
-        (144, 32, True, "xla"),  # Swin-B/384's: a bias sends even long windows to XLA
+        (49, 32, True, "pallas"),  # Swin-T's windows: the fused window kernel
+        (128, 32, True, "pallas"),
+        (144, 32, True, "xla"),  # Swin-B/384's: beyond one tile, a bias sends them to XLA
         (49, 64, False, "xla"),
         (127, 64, False, "xla"),
         (128, 64, False, "cudnn"),
@@ -109,23 +110,74 @@ def flash_spy(monkeypatch):
     return calls
 
 
+@pytest.fixture
+def pallas_spy(monkeypatch):
+    """The fused window kernel as if on a GPU (through Pallas's interpreter here), counted."""
+    calls = []
+    fused = jax_attention.window_attention.fused_attention
+
+    def spy(query, key, value, bias=None, scale=None, interpret=False):
+        calls.append((query.shape, interpret))
+        return fused(query, key, value, bias, scale, interpret=True)
+
+    monkeypatch.setattr(jax_attention.window_attention, "fused_attention", spy)
+    return calls
+
+
 def _bf16(tokens: int):
     return (x.astype(jnp.bfloat16) for x in _inputs(tokens, 1))
 
 
-def test_auto_sends_long_unbiased_sequences_to_cudnn_and_biased_windows_to_xla(flash_spy):
-    kernels = AttentionKernels(flash=True, choice="auto")
+def test_auto_sends_unbiased_sequences_to_cudnn_biased_windows_to_pallas(flash_spy, pallas_spy):
+    kernels = AttentionKernels(flash=True, choice="auto")  # as on a GPU
     for tokens, biased in ((197, False), (49, True), (49, True), (197, True)):
         q, k, v, bias = _bf16(tokens)
         kernels(q, k, v, bias if biased else None, None, None, False)
     assert [shape[1] for shape in flash_spy] == [197]  # the unbiased one only
+    # the biased windows, compiled for the GPU (not interpreted)
+    assert [(shape[1], interpret) for shape, interpret in pallas_spy] == [(49, False)] * 2
     stats = kernels.stats()
-    assert stats["attention"] == "cudnn+xla" and stats["attention_choice"] == "auto"
+    assert stats["attention"] == "cudnn+pallas+xla" and stats["attention_choice"] == "auto"
+    assert stats["pallas_attention_calls"] == 2 and stats["flash_attention_calls"] == 1
     by_shape = {(s["tokens"], "bias" in name): s for name, s in stats["attention_shapes"].items()}
     vit, swin, biased_vit = by_shape[197, False], by_shape[49, True], by_shape[197, True]
     assert vit["ran"] == "cudnn" and vit["cudnn_padded_tokens"] == 208
-    assert swin["chose"] == swin["ran"] == biased_vit["ran"] == "xla"
-    assert swin["calls"] == 2 and swin["why"].startswith("auto: a bias")
+    assert swin["chose"] == swin["ran"] == "pallas" and biased_vit["ran"] == "xla"
+    assert swin["calls"] == 2 and swin["why"].startswith("auto: a bias on short windows")
+
+
+def test_auto_without_a_gpu_runs_biased_windows_on_xla(pallas_spy):
+    kernels = AttentionKernels(flash=False, choice="auto")  # the CPU
+    q, k, v, bias = _bf16(49)
+    kernels(q, k, v, bias, None, None, False)
+    (shape,) = kernels.stats()["attention_shapes"].values()
+    assert pallas_spy == [] and (shape["chose"], shape["ran"]) == ("pallas", "xla")
+    assert "no CUDA GPU here" in shape["why"]
+
+
+def test_pallas_by_name_runs_the_fused_kernel_interpreted_without_a_gpu():
+    kernels = AttentionKernels(flash=False, choice="pallas")
+    q, k, v, bias = _inputs(49, 2)  # a per-window bias, float32
+    out = kernels(q, k, v, bias, None, None, False)
+    (shape,) = kernels.stats()["attention_shapes"].values()
+    assert (shape["chose"], shape["ran"]) == ("pallas", "pallas")
+    assert "interpreter" in shape["why"] and kernels.pallas_calls == 1
+    with jax.default_matmul_precision("highest"):
+        np.testing.assert_allclose(out, plain_attention(q, k, v, bias), rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_leaves_what_the_kernel_does_not_take_to_xla_saying_why(pallas_spy):
+    kernels = AttentionKernels(flash=True, choice="pallas")
+    q, k, v, bias = _bf16(197)  # ViT-B/16's tokens: beyond one tile
+    kernels(q, k, v, bias, None, None, False)
+    q, k, v, _ = _bf16(49)
+    kernels(q, k, v, None, jnp.ones((1, 1, 49, 49), jnp.bool_), None, False)  # a boolean mask
+    whys = [s["why"] for s in kernels.stats()["attention_shapes"].values()]
+    assert pallas_spy == [] and {
+        s["ran"] for s in kernels.stats()["attention_shapes"].values()
+    } == {"xla"}
+    assert any("197 tokens (at most 128" in why for why in whys)
+    assert any("a boolean mask" in why for why in whys)
 
 
 def test_xla_never_calls_the_flash_path(flash_spy):
@@ -182,7 +234,7 @@ def test_prepare_takes_the_attention_keyword_and_the_step_says_what_each_shape_t
 def test_prepare_defaults_to_auto_and_refuses_an_unknown_attention_in_one_line():
     assert _prepare(Attend(49)).stats().details["attention_choice"] == "auto"
     with pytest.raises(
-        accel.AccelError, match=r"^attention must be one of auto, cudnn, xla, got 'flash'$"
+        accel.AccelError, match=r"^attention must be one of auto, cudnn, pallas, xla, got 'flash'$"
     ):
         _prepare(Attend(49), attention="flash")
 

@@ -1,9 +1,12 @@
-"""Attention for the jax backend: torch's scaled_dot_product_attention as
-jax.nn.dot_product_attention, on cuDNN flash attention or on XLA's own ops, chosen per shape.
+"""Attention for the jax backend: torch's scaled_dot_product_attention on cuDNN flash attention,
+on a fused Pallas kernel for short biased windows (window_attention.py), or on XLA's own ops,
+chosen per shape.
 
 The choice (`prepare(attention=...)`): "xla" runs every attention as XLA's ops
-(no custom call); "cudnn" takes cuDNN flash attention for every shape it can; "auto" picks per
-shape from AUTO_RULES below, measured on a GPU: XLA for Swin's biased windows, cuDNN for ViT's.
+(no custom call); "cudnn" takes cuDNN flash attention for every shape it can; "pallas" takes the
+fused window kernel for every shape it can (on a CPU through Pallas's interpreter: slow, for
+checking it); "auto" picks per shape from AUTO_RULES below: the fused kernel for Swin's biased
+windows on a GPU, cuDNN for ViT's.
 
 cuDNN's fused kernel refuses the sequence lengths of ViT (197 tokens) and Swin windows (49), so
 tokens are padded to a multiple of 16 and the true lengths passed as `query_seq_lengths` /
@@ -31,6 +34,7 @@ from typing import Literal, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from accel.backends.jax import window_attention
 from accel.config import AttentionChoice
 
 FLASH_MULTIPLE = 16  # sequence lengths cuDNN flash attention takes with padding
@@ -44,7 +48,7 @@ CUDNN_CALLS = tuple(
     for backward in ("", "Backward")
 )
 FLASH_DTYPES = (jnp.bfloat16, jnp.float16)
-Implementation = Literal["cudnn", "xla"]
+Implementation = Literal["cudnn", "pallas", "xla"]
 
 
 class Rule(NamedTuple):
@@ -68,14 +72,27 @@ class Rule(NamedTuple):
 # - Swin-B/384's 144-token windows with a bias: 13.9 (XLA) against 22.1 ms (cuDNN).
 # - ViT-B/16 (197 tokens, no bias) on cuDNN: jax at torch.compile's speed (3343 against 3320
 #   img/s); XLA's attention at that shape is not yet measured.
+# - The fused window kernel (window_attention.py) for biased windows of at most 128 tokens: not
+#   yet timed on a GPU. Compiled here for an H200, Swin-T's stage 1 forward and backward read and
+#   write 0.96 GB in 3 kernels (1.28 GB in 2 with the shift mask) where XLA's take 7.3 GB in 27;
+#   Swin-T's whole step: bench/results/h200-program.json.
 AUTO_RULES: tuple[Rule, ...] = (
+    Rule(
+        window_attention.MAX_TOKENS,
+        None,
+        True,
+        "pallas",
+        "a bias on short windows (Swin's relative positions, its shift mask): one fused kernel "
+        "each way, nothing T x T kept (XLA's keeps the probabilities; cuDNN's measured 1.5-8x "
+        "slower than XLA's at 49 tokens on an H200)",
+    ),
     Rule(
         None,
         None,
         True,
         "xla",
-        "a bias (Swin's relative positions, its shift mask): XLA's attention measured 1.5-8x "
-        "faster than cuDNN's, forward and backward, at 49 and 144 tokens on an H200",
+        "a bias on long windows: XLA's attention measured faster than cuDNN's at 144 tokens "
+        "(Swin-B/384) on an H200",
     ),
     Rule(
         127,
@@ -260,6 +277,8 @@ class AttentionKernels:
     choice: AttentionChoice = "cudnn"
     calls: int = 0  # attention calls traced
     flash_calls: int = 0  # of which onto cuDNN
+    pallas_calls: int = 0  # of which onto the fused window kernel
+    gave_up: bool = False  # a custom kernel failed the step: XLA's attention from then on
     refused: dict[str, str] = field(default_factory=dict)  # shape -> cuDNN's reason
     shapes: dict[str, dict] = field(default_factory=dict)  # shape -> what it took, and why
 
@@ -278,24 +297,44 @@ class AttentionKernels:
         ran: Implementation = "xla"
         out = None
         if chose == "cudnn":
-            if not self.flash:
-                why += "; no cuDNN here (no CUDA GPU, or it failed): XLA ran it"
-            elif query.dtype not in FLASH_DTYPES or tokens != key.shape[1]:
-                why += "; cuDNN flash takes bf16/fp16 self-attention only: XLA ran it"
-            else:
-                try:
-                    out = padded_attention(query, key, value, bias, mask, scale, is_causal)
-                except (NotImplementedError, ValueError, RuntimeError) as err:
-                    self.refuse(shape, err)
-                    why += "; cuDNN refused it: XLA ran it"
-                else:
-                    self.flash_calls += 1
-                    ran = "cudnn"
+            out, why = self.cudnn(shape, query, key, value, bias, mask, scale, is_causal, why)
+        elif chose == "pallas":
+            out, why = self.pallas(query, key, value, bias, mask, scale, is_causal, why)
+        if out is not None:
+            ran = chose
+            self.flash_calls += chose == "cudnn"
+            self.pallas_calls += chose == "pallas"
         self.note(shape, tokens, chose, ran, why)
         if out is not None:
             return out
         scale = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
         return recomputed_attention(query, key, value, bias, mask, scale, is_causal)
+
+    def cudnn(self, shape, query, key, value, bias, mask, scale, is_causal, why: str) -> tuple:
+        """(cuDNN flash attention's output, or None where it cannot run it; why)."""
+        if not self.flash:
+            return None, why + "; no cuDNN here (no CUDA GPU, or it failed): XLA ran it"
+        if query.dtype not in FLASH_DTYPES or query.shape[1] != key.shape[1]:
+            return None, why + "; cuDNN flash takes bf16/fp16 self-attention only: XLA ran it"
+        try:
+            return padded_attention(query, key, value, bias, mask, scale, is_causal), why
+        except (NotImplementedError, ValueError, RuntimeError) as err:
+            self.refuse(shape, err)
+            return None, why + "; cuDNN refused it: XLA ran it"
+
+    def pallas(self, query, key, value, bias, mask, scale, is_causal, why: str) -> tuple:
+        """(the fused window kernel's output, or None where it does not take the shape; why).
+        Without a GPU only when asked for by name, through Pallas's interpreter."""
+        if self.gave_up:
+            return None, why + "; it failed the step before: XLA ran it"
+        if not self.flash and self.choice != "pallas":
+            return None, why + "; no CUDA GPU here: XLA ran it"
+        refused = window_attention.supports(query, key, bias, mask, is_causal)
+        if refused is not None:
+            return None, why + f"; the fused kernel does not take {refused}: XLA ran it"
+        interpret = not self.flash
+        out = window_attention.fused_attention(query, key, value, bias, scale, interpret)
+        return out, why + ("; through Pallas's interpreter (no CUDA GPU)" if interpret else "")
 
     def note(self, shape: str, tokens: int, chose: str, ran: str, why: str) -> None:
         seen = self.shapes.get(shape, {"calls": 0})
@@ -320,7 +359,7 @@ class AttentionKernels:
 
     def traced(self) -> dict:
         """What tracing told of each shape, kept with a step saved for later launches."""
-        keys = ("calls", "flash_calls", "refused", "shapes")
+        keys = ("calls", "flash_calls", "pallas_calls", "refused", "shapes")
         return {k: getattr(self, k) for k in keys}
 
     def restore(self, traced: dict) -> None:
@@ -333,18 +372,23 @@ class AttentionKernels:
         """Within: each shape takes what it would on a CUDA GPU (cuDNN where chosen and taken),
         for a step lowered here for one (Engine.lowered_step's platforms); the shapes traced
         within are forgotten after it."""
-        flash, calls, shapes = self.flash, self.flash_calls, dict(self.shapes)
-        self.flash = flash or gpu
+        kept = self.flash, self.flash_calls, self.pallas_calls, dict(self.shapes)
+        self.flash = self.flash or gpu
         try:
             yield
         finally:
-            self.flash, self.flash_calls, self.shapes = flash, calls, shapes
+            self.flash, self.flash_calls, self.pallas_calls, self.shapes = kept
+
+    @property
+    def kernel_calls(self) -> int:
+        """Attention calls traced onto a custom kernel (cuDNN's or the fused window one)."""
+        return self.flash_calls + self.pallas_calls
 
     def give_up(self, err: BaseException) -> None:
-        """cuDNN failed after tracing had chosen it: no flash attention from here on (the
-        shapes are traced again, and say so)."""
-        self.flash = False
-        self.flash_calls = 0
+        """A custom kernel failed after tracing had chosen it: XLA's attention from here on
+        (the shapes are traced again, and say so)."""
+        self.flash, self.gave_up = False, True
+        self.flash_calls = self.pallas_calls = 0
         self.shapes.clear()
         self.refuse("the whole step (backward or compile)", err)
 
@@ -355,6 +399,7 @@ class AttentionKernels:
             "attention_choice": self.choice,
             "attention_shapes": {k: dict(v) for k, v in self.shapes.items()},
             "flash_attention_calls": self.flash_calls,
+            "pallas_attention_calls": self.pallas_calls,
             "flash_attention_refused": dict(self.refused),
         }
 

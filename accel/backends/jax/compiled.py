@@ -22,6 +22,7 @@ from accel.backends.jax.state import TrainState
 from accel.backends.jax.step import make_train_step
 from accel.backends.jax.tracing import Tracer
 from accel.backends.jax.values import host_value, to_torch
+from accel.backends.jax.window_attention import TRITON_CALLS
 from accel.config import BackendConfig
 
 DONATED = (0, 1, 2, 3, 4)  # the step's weights, optimizer state, EMA, count and constants
@@ -33,9 +34,12 @@ class NotExportable(Exception):
 
 def exported(fn: Any, args: tuple, platforms: Sequence[str]) -> jax.export.Exported:
     """`fn` exported for `platforms` at these arguments' shapes (traced by the caller's
-    tracer). cuDNN's attention calls are let through: the export is read back by this same jax.
+    tracer). cuDNN's attention calls and the fused window kernel's Triton calls are let through:
+    the export is read back by this same jax.
     NotExportable where jax.export refuses it for want of a promise of compatibility."""
-    unchecked = [jax.export.DisabledSafetyCheck.custom_call(c) for c in CUDNN_CALLS]
+    unchecked = [
+        jax.export.DisabledSafetyCheck.custom_call(c) for c in (*CUDNN_CALLS, *TRITON_CALLS)
+    ]
     serializable(args)
     try:
         return jax.export.export(fn, platforms=tuple(platforms), disabled_checks=unchecked)(*args)
@@ -195,10 +199,11 @@ class CompiledStep:
             try:
                 *new, result = fn(*args)
             except (NotImplementedError, ValueError, RuntimeError) as err:
-                if not self.attention.flash_calls or fn._cache_size():
+                if not self.attention.kernel_calls or fn._cache_size():
                     raise
-                # cuDNN took every attention call while tracing the forward, then refused the
-                # backward or the compile: build the whole step on XLA's attention instead.
+                # cuDNN (or the fused window kernel) took attention calls while tracing the
+                # forward, then failed the backward or the compile: build the whole step on
+                # XLA's attention instead.
                 self.attention.give_up(err)
                 self.fn = self._jit()
                 self.programs.clear()
