@@ -49,8 +49,9 @@ ROUNDS ?= 10
 test-stress: setup
 	$(BIN)/python -m tests.stress --rounds $(ROUNDS) --out .stress
 
-# The program an H200 runs for a training step, compiled on this machine without a GPU
-# (bench/gpu_program.py), in a venv of its own with JAX's CUDA plugin (the gpu-program extra):
+# The program an H200 runs for a training step, compiled on this machine without a GPU, and
+# its estimated time by kind of work beside compile's measured one (bench/gpu_program.py,
+# bench/gpu_estimate.py), in a venv of its own with JAX's CUDA plugin (the gpu-program extra):
 # .venv and the suite never load the plugin.
 H200 := .venv-h200
 $(H200)/.installed: pyproject.toml
