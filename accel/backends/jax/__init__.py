@@ -40,8 +40,8 @@ SUPPORTS = Supports(
     cuda_batches=True,
     replicas="devices",
     one_process=("tp", "shard"),
-    kernel_opt="nothing more: attention always runs through jax.nn.dot_product_attention "
-    "(attention= picks cuDNN or XLA per shape)",
+    kernel_opt="nothing more: attention= picks cuDNN flash attention, a fused Pallas kernel "
+    "(Swin's windows) or XLA's ops per shape",
 )
 
 try:

@@ -1,12 +1,9 @@
 """Attention for the jax backend: torch's scaled_dot_product_attention on cuDNN flash attention,
 on a fused Pallas kernel for short biased windows (window_attention.py), or on XLA's own ops,
-chosen per shape.
-
-The choice (`prepare(attention=...)`): "xla" runs every attention as XLA's ops
-(no custom call); "cudnn" takes cuDNN flash attention for every shape it can; "pallas" takes the
-fused window kernel for every shape it can (on a CPU through Pallas's interpreter: slow, for
-checking it); "auto" picks per shape from AUTO_RULES below: the fused kernel for Swin's biased
-windows on a GPU, cuDNN for ViT's.
+chosen per shape (`prepare(attention=...)`): "xla" every attention as XLA's ops (no custom call);
+"cudnn" cuDNN flash attention for every shape it can; "pallas" the fused window kernel for every
+shape it can (on a CPU through Pallas's interpreter: slow, for checking it); "auto" per shape
+from AUTO_RULES below: the fused kernel for Swin's biased windows on a GPU, cuDNN for ViT's.
 
 cuDNN's fused kernel refuses the sequence lengths of ViT (197 tokens) and Swin windows (49), so
 tokens are padded to a multiple of 16 and the true lengths passed as `query_seq_lengths` /
@@ -14,11 +11,8 @@ tokens are padded to a multiple of 16 and the true lengths passed as `query_seq_
 A shape, dtype or mask that cuDNN refuses falls back to XLA's attention, named once in a warning.
 Without a CUDA GPU every shape runs on XLA, and stats() still says what each shape would take.
 XLA's attention here (recomputed_attention) is jax.nn.dot_product_attention's own arithmetic with
-a backward of its own: XLA's autodiff kept every call's T x S probabilities twice, in float32 and
-in the input's dtype; this one keeps them once, in the input's dtype (Swin-T at batch 128,
-XLA:GPU's program for an H200: 82.1 GB read and written against 85.3, 8.26 GiB against 8.33;
-bench/results/h200-program.json).
-Part of the jax backend (imported only by accel/backends/jax/).
+a backward of its own that keeps the T x S probabilities once, in the input's dtype (XLA's
+autodiff kept them in float32 and in the input's dtype). Part of the jax backend.
 """
 
 from __future__ import annotations
@@ -65,17 +59,13 @@ class Rule(NamedTuple):
 # What "auto" picks, first matching rule wins. Measured with bench/attention_shapes.py on one
 # H200 (2026-11-26; jax 0.11.2, cuDNN through jax-cuda13-plugin 0.11.2; bf16, batch 128,
 # forward + backward with the bias's gradient), bench/results/gpu-check-nvidia-h200.json:
-# - Swin-T's 49-token windows, XLA against cuDNN per call: 1.73 / 13.71 ms (stage 1, shared
-#   bias), 1.74 / 2.59 (stage 1 shifted), 0.89 / 4.04, 0.90 / 1.32, 0.46 / 1.37, 0.46 / 0.69,
-#   0.23 / 0.49 ms: XLA 1.5-8x faster, 8.5 against 28.8 ms of a training step. The whole step
-#   agrees: Swin-T on jax 4039 img/s with XLA's attention, 2526 with cuDNN's.
+# - Swin-T's 49-token windows, XLA against cuDNN: 1.5-8x faster per call, 8.5 against 28.8 ms of
+#   a training step; the whole step 4039 img/s on jax with XLA's attention, 2526 with cuDNN's.
 # - Swin-B/384's 144-token windows with a bias: 13.9 (XLA) against 22.1 ms (cuDNN).
 # - ViT-B/16 (197 tokens, no bias) on cuDNN: jax at torch.compile's speed (3343 against 3320
 #   img/s); XLA's attention at that shape is not yet measured.
-# - The fused window kernel (window_attention.py) for biased windows of at most 128 tokens: not
-#   yet timed on a GPU. Compiled here for an H200, Swin-T's stage 1 forward and backward read and
-#   write 0.96 GB in 3 kernels (1.28 GB in 2 with the shift mask) where XLA's take 7.3 GB in 27;
-#   Swin-T's whole step: bench/results/h200-program.json.
+# - The fused window kernel for biased windows of at most 128 tokens: not yet timed on a GPU;
+#   compiled for an H200, a fifth of XLA's attention's bytes (bench/results/h200-program.json).
 AUTO_RULES: tuple[Rule, ...] = (
     Rule(
         window_attention.MAX_TOKENS,
@@ -181,12 +171,10 @@ def padded_attention(
 
 # --- XLA's attention with flash attention's memory: nothing T x S kept for the backward -------
 def _wide_matmul(spec: str, a: jax.Array, b: jax.Array, exact: bool = False) -> jax.Array:
-    """einsum(spec, a, b) into float32 from low-precision operands. On GPU the operands stay in
-    their dtype (the matmul units' own, and no float32 copy); `exact` names jax's algorithm for
-    bf16 x bf16 into float32, as jax.nn.dot_product_attention names it for its logits, so that
-    both give the same values. XLA:CPU has no such dot (it fails when run, not when traced):
-    there the operands are widened first, which is exact (a product of two bf16 or f16 values
-    is exact in float32)."""
+    """einsum(spec, a, b) into float32 from low-precision operands, kept in their dtype on a GPU;
+    `exact` names jax's bf16 x bf16 -> float32 algorithm, as jax.nn.dot_product_attention does
+    for its logits. XLA:CPU has no such dot (it fails when run): there the operands are widened
+    first, which is exact (a product of two bf16 or f16 values is exact in float32)."""
     f32 = jnp.float32
     if a.dtype == f32 and b.dtype == f32:
         return jnp.einsum(spec, a, b)
@@ -406,9 +394,7 @@ class AttentionKernels:
 
 def describe(query: jax.Array, bias: jax.Array | None, mask: jax.Array | None) -> str:
     batch, tokens, heads, dim = query.shape
-    text = f"batch {batch}, {tokens} tokens, {heads} heads of {dim}, {query.dtype}"
-    if bias is not None:
-        text += f", bias {tuple(bias.shape)}"
-    if mask is not None:
-        text += f", mask {tuple(mask.shape)}"
-    return text
+    extra = [
+        f", {n} {tuple(x.shape)}" for n, x in (("bias", bias), ("mask", mask)) if x is not None
+    ]
+    return f"batch {batch}, {tokens} tokens, {heads} heads of {dim}, {query.dtype}" + "".join(extra)

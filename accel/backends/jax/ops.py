@@ -5,10 +5,8 @@ one way the backend puts its lowerings in torchax's table while it traces:
   distance to itself) is NaN, so every step was skipped; torch's backward gives 0 there.
 - linalg.lstsq: torchax reads the rank back to the host (`rank.item()`), which no traced step
   can; here it stays an array.
-- layer_norm: torchax's keeps, for its backward, the centred and the normalised input in the
-  compute dtype beside the float32 centred value (three activations a norm, where a plain Flax
-  step keeps one); here the statistics are float32, the output in the input's dtype, and the
-  backward keeps the input and two float32 statistics a row.
+- layer_norm: torchax's keeps three activations a norm for its backward (a Flax step keeps
+  one); here the input and two float32 statistics a row, the output in the input's dtype.
 - add, mul, div with a Python number: torchax makes the result float32 whatever the tensor's
   dtype (a bf16 activation times a scale became float32, and every matmul after it ran in
   float32); here torch's rule: a number or a 0-dim tensor keeps the tensor's dtype within its
@@ -128,11 +126,8 @@ def layer_norm_backward(dims: int, eps: float, saved: tuple, grad: jax.Array) ->
         - g_normed.mean(axes, keepdims=True)
         - normed * (g_normed * normed).mean(axes, keepdims=True)
     )
-    # The weight's gradient from the normalised input written otherwise (x * rstd - mean *
-    # rstd): XLA then fuses it into the reduction over the rows, reading x and the gradient
-    # once. Written as `normed`, XLA's normalization fusion for dx also wrote the float32
-    # product g * normed out whole for the reduction to read back (ViT-B/16's H200 program:
-    # 155 MB a norm more).
+    # Written apart from dx's `normed`, which XLA's fusion for dx wrote out times g, whole in
+    # float32, for this reduction to read back (155 MB a norm of ViT-B/16's step on an H200).
     normed_again = x.astype(jnp.float32) * rstd - mean * rstd
     dw = (g * normed_again).sum(rows)
     return dx.astype(x.dtype), dw.astype(w.dtype), g.sum(rows).astype(b.dtype)
