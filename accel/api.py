@@ -33,6 +33,7 @@ from accel.engine import Engine
 from accel.loop import LoopPart
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+from accel.script_changes import ScriptChanges
 from accel.settings import settle, with_keywords
 from accel.ties import tied_names
 from accel.user_model import EvalModel, TrainedOnRead
@@ -210,6 +211,7 @@ def prepare(
         model_given=model,
         on_close=fork_server_use.undo if fork_server_use else None,
         trees=trees,
+        script=ScriptChanges(model, optimizer, {n for g in spec.groups for n in g.names}),
     )
     if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
         TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one

@@ -14,11 +14,10 @@
 The backend comes from `backend=`, else ACCEL_BACKEND=eager|compile|xla|jax, else USE_ACCEL=1 (the
 XLA compiler: jax on a CUDA GPU, xla elsewhere), else eager: as the command line reads them.
 
-Why a loss function and not `loss.backward()`: the jax backend needs forward, loss, backward and
-update as one pure function (torchax's make_train_step, torch_xla.compile(step, full_graph=True)
-take the whole step too), so accel runs the whole optimizer step: gradient accumulation, AMP, the
-gradient mean over replicas, clipping, the update, the EMA and the non-finite skip. The command
-line's Trainer drives the same backends through the same calls.
+Why a loss function and not `loss.backward()`: the jax backend needs the whole optimizer step
+as one pure function (torchax's make_train_step; torch_xla.compile(step, full_graph=True) too),
+so accel runs it: accumulation, AMP, the mean over replicas, clipping, the update, the EMA and
+the non-finite skip. The command line's Trainer drives the backends through the same calls.
 """
 
 from __future__ import annotations
@@ -58,6 +57,7 @@ from accel.loop import (
 )
 from accel.optim import LearningRates
 from accel.parallel.fsdp import full_value
+from accel.script_changes import ScriptChanges
 from accel.user_model import EvalModel
 
 
@@ -90,17 +90,19 @@ class Engine:
         model_given: nn.Module | None = None,
         on_close: Callable[[], None] | None = None,
         trees: BatchTrees | None = None,
+        script: ScriptChanges | None = None,
     ):
         """Made by `prepare` (not public). `rates`: the learning rate(s) of a step, by the steps
         done before it; `ema`: the EMA decay (0: none) or a function of the steps done, this one
         included; `state`: the loop state checkpoints carry; `max_recompiles`: graphs compiled
         after warm-up before a step stops (-1: any); `model_given`: the model prepare had;
-        `on_close`: undoes prepare's changes to the process; `trees`: the batches' structures."""
+        `on_close`: undoes prepare's changes to the process; `trees`: the batches' structures;
+        `script`: what the script changes between steps (frozen weights, added groups)."""
         self.runner, self._ctx, self.rates, self.on_close = backend, ctx, rates, on_close
         self.accum, self.ema, self.trees = accum, ema, trees or BatchTrees()
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
-        self.model_given = model_given
+        self.model_given, self.script = model_given, script
         self.shapes: tuple | None = None  # the last step's batch shapes
         self.shapes_seen: set[tuple] = set()  # those the step was compiled for
         self.skips = SkipWatch()
@@ -161,8 +163,7 @@ class Engine:
 
     @property
     def devices(self) -> int:
-        """Devices the step runs on, over every process: data replicas x tensor-parallel ranks
-        x pipeline stages (what MFU divides by)."""
+        """Devices the step runs on, over every process (data x tensor x pipeline: MFU's)."""
         return self._ctx.world_size * self.runner.step_devices
 
     @property
@@ -181,9 +182,8 @@ class Engine:
         return self.runner.sharded_checkpoint
 
     def loader(self, batches: Iterable[Any]) -> Iterator[Any]:
-        """Your loader's batches (tuples, dicts of tensors...) on the device, prefetched
-        (MpDeviceLoader on xla, a side stream on CUDA, sharded puts on jax). Under several
-        processes each rank reads its part of the data: a DataLoader needs a DistributedSampler."""
+        """Your loader's batches (tuples, dicts...) on the device, prefetched (MpDeviceLoader on
+        xla, a CUDA side stream, sharded puts on jax); each rank's part: a DistributedSampler."""
         check_sharded(batches, self.data_ranks)
         check_workers(batches)
         return self.trees.loader(batches, self.runner.device_batches)
@@ -199,9 +199,10 @@ class Engine:
             raise AccelError(str(err)) from None
 
     def step_micro_batches(self, micro_batches: list[Any]) -> Any:
-        """One optimizer step over batches already split for gradient accumulation (`accum`
-        device batches from `loader`); a handle, as `step`. An op the backend cannot lower
-        raises BackendUnavailable."""
+        """One optimizer step over `accum` device batches from `loader` (split for gradient
+        accumulation); a handle, as `step`. An op the backend cannot lower: BackendUnavailable."""
+        if self.script:  # weights frozen or groups added since the last step: followed, or one line
+            self.script.before_step(self.runner)
         done = self.state.step
         self.lr = self.rates(done)
         decay = self.ema(done + 1) if callable(self.ema) else self.ema
@@ -334,8 +335,7 @@ class Engine:
         self.runner.synchronize()
 
     def mark_warmup_done(self) -> None:
-        """Count compiles from here on: `stats().compiles_after_warmup` are recompiles; past
-        CompilerConfig's `max_recompiles` of them a step raises RecompileError."""
+        """Count compiles from here on (recompiles; past `max_recompiles` a step raises)."""
         self.compiled_at_warmup = self.runner.step_compiles()
 
     def compiles_after_warmup(self) -> int:

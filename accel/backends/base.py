@@ -200,6 +200,10 @@ class BackendBase:
         self.cfg, self.ctx = cfg, ctx
         self.amp = amp_policy(cfg.step.amp, cfg.step.amp_dtype)
 
+    def freeze(self, names: frozenset[str]) -> None:
+        """A step that is torch's autograd follows a weight frozen between steps as torch does
+        (no gradient, so no update): nothing to do."""
+
 
 class SinceStart:
     """Process-wide counters read as what happened since the backend started: dynamo's frames,
@@ -260,6 +264,11 @@ class Backend(Protocol):
         EMA with `ema_decay` (ema=), left undone where the loss or the gradients are not
         finite; returns a handle of the loss and of whether the update was applied, which stays
         on the device until `fetch_results`."""
+
+    def freeze(self, names: frozenset[str]) -> None:
+        """From the next step, the held weights `names` (they no longer require a gradient)
+        left as they are, as torch leaves a weight without a gradient."""
+        ...
 
     def lowered_step(
         self, micro_batches: list[Any], lr: float | list[float], platforms: Sequence[str] = ()

@@ -32,7 +32,7 @@ from accel.backends.jax.torchax_compat import removed_ops
 from accel.backends.jax.tracing import Tracer, torch_sdpa
 from accel.backends.jax.values import Precision
 from accel.backends.quiet import quiet_imports
-from accel.config import BackendConfig
+from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
@@ -149,6 +149,16 @@ class JaxBackend(BackendBase):
     ) -> jax.Array:
         """Returns [mean loss, 1.0 if the update was applied else 0.0] on the devices."""
         return self.step(self.stacked(micro_batches), lr, ema_decay)
+
+    def freeze(self, names: frozenset[str]) -> None:
+        thawed = self.step.frozen - names
+        if thawed and self.state.optimizer.spec.kind in ("Adam", "AdamW"):
+            raise ConfigError(
+                f"{sorted(thawed)[0]} requires a gradient again: the jax backend keeps one Adam "
+                "step count a param group, which went on while it was frozen (torch's stopped): "
+                "call accel.prepare again after unfreezing it, or train on eager, compile or xla"
+            )
+        self.step.freeze(names)
 
     def lowered_step(
         self, micro_batches: list[tuple], lr: float | list[float], platforms: Sequence[str] = ()

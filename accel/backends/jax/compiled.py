@@ -105,6 +105,7 @@ class CompiledStep:
         self.cfg, self.runtime, self.state, self.tracer = cfg, runtime, state, tracer
         self.attention, self.loss_fn = attention, loss_fn
         self.extra_keys: list[str] = []
+        self.frozen: frozenset[str] = frozenset()  # weights no longer requiring a gradient
         self.fn = self._jit()
         folder = Path(cfg.compiler.cache_dir) / "steps" if cfg.compiler.cache_dir else None
         self.saved = SavedSteps(folder, tracer.module, loss_fn, state.optimizer.spec, cfg)
@@ -136,8 +137,16 @@ class CompiledStep:
             grad_shardings=layout.grads,
             weight_shardings=layout.weights,
             unread=lambda: self.tracer.unread,
+            frozen=self.frozen,
         )
         return jax.jit(step, donate_argnums=DONATED, out_shardings=self._outs())
+
+    def freeze(self, names: frozenset[str]) -> None:
+        """From the next step, `names` left as they are (a step traced again: which weights
+        train is part of the program)."""
+        self.frozen = names
+        self.fn = self._jit()
+        self.programs.clear()
 
     def arguments(self, batch: tuple, lr: float | list[float], ema_decay: float) -> tuple:
         """What `fn` takes: the state, the batch ([micro-steps, batch, ...] arrays, or their
@@ -172,7 +181,7 @@ class CompiledStep:
         if not self.saved.enabled:
             self.programs[signature] = self.fn
             return self.fn
-        key = self.saved.key(args)
+        key = self.saved.key(args, self.frozen)
         kept = self.saved.load(key, args)
         if kept is not None:
             exported_step, traced = kept

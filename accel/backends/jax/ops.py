@@ -58,7 +58,7 @@ def overridden(env: Any, table: Mapping[Any, Callable | OfArrays]) -> Iterator[N
             is_jax_function=arrays,
             is_user_defined=True,
             needs_env=False,
-            is_view_op=False,
+            is_view_op=getattr(lowering, "writes_views", False),  # handed views as they are
         )
     try:
         yield

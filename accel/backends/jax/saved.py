@@ -35,7 +35,7 @@ import marshal
 import os
 import sys
 import types
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -271,8 +271,9 @@ class SavedSteps:
     def enabled(self) -> bool:
         return self.folder is not None
 
-    def key(self, args: Any) -> str:
-        text = f"{self.identity}|{self.batch_tree()}|{arguments_identity(args)}"
+    def key(self, args: Any, frozen: Collection[str] = ()) -> str:
+        """The step's for these arguments, with the weights `frozen` since prepare."""
+        text = f"{self.identity}|{self.batch_tree()}|{arguments_identity(args)}|{sorted(frozen)}"
         return hashlib.sha256(text.encode()).hexdigest()[:40]
 
     def load(self, key: str, args: Any) -> tuple[jax.export.Exported, dict] | None:

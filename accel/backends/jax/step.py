@@ -32,6 +32,7 @@ def make_train_step(
     grad_shardings: Any = None,
     weight_shardings: Any = None,
     unread: Callable[[], Collection[str]] = frozenset,
+    frozen: Collection[str] = frozenset(),
 ) -> TrainStep:
     """The whole optimizer step as one pure function (what torchax's make_train_step builds):
 
@@ -46,7 +47,8 @@ def make_train_step(
     devices kept (each device's batch updates them), whether or not the update is applied (as
     eager's forward wrote them before the update was skipped). `unread()`, asked once the loss
     is traced: the weights the loss did not read, left as they are by the update (no weight
-    decay, no moments), as torch's optimizers leave a parameter without a gradient.
+    decay, no moments), as torch's optimizers leave a parameter without a gradient; `frozen`:
+    weights that no longer require a gradient, left so too, and out of the clipping norm.
 
     `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `dp` axis; each
     device takes its part's gradients, then the explicit mean over the devices (shard_map +
@@ -166,9 +168,11 @@ def make_train_step(
         loss, extras, grads, consts = grads_fn(params, consts, batch, count)
         if grad_shardings is not None:
             grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
+        if frozen:  # torch gives a frozen weight no gradient: nothing of it in the norm either
+            grads = {n: jnp.zeros_like(g) if n in frozen else g for n, g in grads.items()}
         grads, norm = torch_clip(grads, clip_grad, one_reduction=whole)
         new_params, new_state = optimizer.update(grads, opt_state, params, rates)
-        left = set(unread())  # asked now: the loss was traced above
+        left = set(unread()) | set(frozen)  # unread asked now: the loss was traced above
         if left:
             new_params, new_state = keep_named(left, (new_params, new_state), (params, opt_state))
         new_ema = {

@@ -68,7 +68,7 @@ class HostConstants(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        traced = runtime.torchax.tensor.Tensor
+        traced = (runtime.torchax.tensor.Tensor, runtime.torchax.view.View)
         values = (args, kwargs)
         if any(isinstance(v, traced) for v in leaves(values)) and any(
             is_host(v) for v in leaves(values)

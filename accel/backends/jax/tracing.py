@@ -20,6 +20,7 @@ from accel.backends.as_eager import AsEager, modes_kept, no_fast_paths, running_
 from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
+from accel.backends.jax.inplace import view_ops, write_through_ops
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
 from accel.backends.jax.trace_rules import (
     METADATA,
@@ -351,7 +352,8 @@ class Tracer:
     def tracing(self) -> Iterator[None]:
         """Around a call that may trace: torch's attention on the backend's kernels, and what
         torchax cannot trace in one line (lowering_errors)."""
-        lowerings = {**attention_lowerings(self.sdpa), **EAGER_LOWERINGS}
+        lowerings = {**attention_lowerings(self.sdpa), **EAGER_LOWERINGS, **write_through_ops()}
+        lowerings |= view_ops(self.env)
         with overridden(self.env, lowerings), self.lowering_errors():
             yield
 
