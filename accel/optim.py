@@ -3,6 +3,7 @@ translates), and each group's learning rate per step."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -16,9 +17,24 @@ from torch.optim.lr_scheduler import LRScheduler
 from accel.config import ConfigError
 
 # --- a user's torch optimizer, described by parameter name ------------------------------------
-OPTIMIZERS = ("AdamW", "Adam", "SGD")  # the classes every backend runs (jax translates them)
-# Hyperparameters that shape the update, by class; the rest (foreach, fused, capturable,
-# differentiable) only choose torch's implementation, which each backend picks itself.
+# torch.optim's classes no step of accel's can run, and why.
+REFUSED = {
+    "LBFGS": "its step calls a closure that evaluates the loss again, several times a step",
+    "SparseAdam": "it takes sparse gradients only",
+}
+# The optimizers of torch.optim accel takes: every other class there (eager, compile and xla run
+# torch's own; jax translates those accel/backends/jax/optimizer.py names).
+OPTIMIZERS = tuple(
+    name
+    for name, value in vars(torch.optim).items()
+    if isinstance(value, type) and issubclass(value, torch.optim.Optimizer)
+    and value is not torch.optim.Optimizer and name not in REFUSED
+)  # fmt: skip
+FUSED = ("AdamW", "Adam", "SGD")  # torch's fused update, on CUDA and the CPU
+# Options that choose torch's implementation, not the update, which each backend picks itself.
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+# Hyperparameters that shape the update, by class (a class not named: every option of its
+# groups but IMPLEMENTATION's).
 HYPERPARAMETERS = {
     "AdamW": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize"),
     "Adam": ("lr", "betas", "eps", "weight_decay", "amsgrad", "maximize", "decoupled_weight_decay"),
@@ -51,10 +67,12 @@ class OptimizerSpec:
     def of(cls, optimizer: torch.optim.Optimizer, model: nn.Module) -> OptimizerSpec:
         """The spec of `optimizer`, whose parameters must all belong to `model`."""
         kind = type(optimizer).__name__
+        if kind in REFUSED and type(optimizer) is getattr(torch.optim, kind):
+            raise OptimizerError(f"accel cannot run torch.optim.{kind}: {REFUSED[kind]}")
         if kind not in OPTIMIZERS or type(optimizer) is not getattr(torch.optim, kind):
             raise OptimizerError(
-                f"accel runs torch.optim.{', torch.optim.'.join(OPTIMIZERS)}; "
-                f"got {type(optimizer).__module__}.{type(optimizer).__qualname__}"
+                "accel runs the optimizers of torch.optim (but LBFGS and SparseAdam); got "
+                f"{type(optimizer).__module__}.{type(optimizer).__qualname__}"
             )
         names = {id(p): n for n, p in model.named_parameters()}
         groups = []
@@ -65,7 +83,9 @@ class OptimizerSpec:
                     f"the optimizer holds {len(missing)} parameter(s) that are not the model's: "
                     "build it from model.parameters() (or the model's param groups)"
                 )
-            hyper = {k: group[k] for k in HYPERPARAMETERS[kind] if k in group}
+            keys = HYPERPARAMETERS.get(kind) or [k for k in group if k not in (*IMPLEMENTATION,
+                                                                             "params")]  # fmt: skip
+            hyper = {k: group[k] for k in keys if k in group}
             hyper["lr"] = float(hyper["lr"])  # a tensor lr enters the step as a value anyway
             names_here = tuple(names[id(p)] for p in group["params"] if p.requires_grad)
             groups.append(GroupSpec(names_here, hyper, float(group.get("lr_scale", 1.0))))
@@ -96,15 +116,20 @@ class OptimizerSpec:
                     {"params": mine, **g.hyper, "lr_scale": g.lr_scale, "spec_group": index}
                 )
         kind = optimizer_class or getattr(torch.optim, self.kind)
-        return kind(groups, **implementation)
+        return kind(groups, **self.implementation(kind, implementation))
+
+    def implementation(self, kind: type, flags: dict[str, Any]) -> dict[str, Any]:
+        """The implementation `flags` a backend asks for that `kind` takes (fused only for
+        FUSED's: torch has no fused update of the others everywhere)."""
+        takes = inspect.signature(kind).parameters
+        fused_ok = self.kind in FUSED
+        return {k: v for k, v in flags.items() if k in takes and (k != "fused" or fused_ok)}
 
     def refusals(self, translatable: bool = False) -> list[str]:
         """What no backend (or, with `translatable`, the optax translation) can run."""
         out = []
         for g in self.groups:
             h = g.hyper
-            if h.get("maximize"):
-                out.append("maximize=True")
             if translatable and h.get("amsgrad"):
                 out.append("amsgrad=True (optax's amsgrad is not torch's)")
             if translatable and self.kind == "SGD" and h.get("dampening"):
@@ -133,7 +158,7 @@ class GroupRates(list):
 def followed_values(kind: str, group: dict[str, Any]) -> dict[str, Any]:
     """A torch param group's values of FOLLOWED[kind], as floats (torch takes tensors too)."""
     out: dict[str, Any] = {}
-    for key in FOLLOWED[kind]:
+    for key in FOLLOWED.get(kind, ()):
         if key in group:
             value = group[key]
             out[key] = tuple(float(v) for v in value) if key == "betas" else float(value)
@@ -177,7 +202,21 @@ class LearningRates:
         elif (followed := self.user_optimizer()) is not None:
             rates = [float(g["lr"]) for g in followed.param_groups]
             others = [followed_values(self.spec.kind, g) for g in followed.param_groups]
+            self.check_unfollowed(followed)
         return GroupRates([r * k for r, k in zip(rates, self.scales, strict=True)], others)
+
+    def check_unfollowed(self, optimizer: torch.optim.Optimizer) -> None:
+        """OptimizerError where the user's groups changed a value no step follows (a scheduler
+        cycling RMSprop's momentum): the steps would go on with the built one, unsaid."""
+        followed = ("lr", *FOLLOWED.get(self.spec.kind, ()))
+        for spec_group, group in zip(self.spec.groups, optimizer.param_groups, strict=False):
+            for key, built in spec_group.hyper.items():
+                if key not in followed and key in group and group[key] != built:
+                    raise OptimizerError(
+                        f"{self.spec.kind}'s {key} changed from {built} to {group[key]} after "
+                        f"prepare: accel's step follows its {', '.join(followed)} only; call "
+                        "accel.prepare again to train with the new value"
+                    )
 
     def user_optimizer(self) -> torch.optim.Optimizer | None:
         if isinstance(self.schedule, LRScheduler):

@@ -155,6 +155,7 @@ SUPPORT_ROWS = (
     ("one process only", "one_process"),
     ("kernel_opt=True", "kernel_opt"),
     ("backward hooks", "gradient_hooks"),
+    ("optimizers", "optimizers"),
 )
 
 

@@ -163,6 +163,8 @@ class Supports:
     # Backward hooks the step runs as eager runs them: "module" (register_full_backward_hook),
     # "tensor" (a parameter's register_hook); the model's others are refused by prepare.
     gradient_hooks: tuple[str, ...] = ()
+    # The torch.optim optimizers the step runs (accel.optim refuses LBFGS and SparseAdam).
+    optimizers: str = "all of torch.optim's, by torch's own update"
 
 
 @dataclass

@@ -204,21 +204,16 @@ def test_the_command_line_and_the_api_load_each_others_checkpoints(tmp_path):
     [
         (lambda p: torch.optim.AdamW(p, amsgrad=True), "AdamW with amsgrad=True"),
         (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), "SGD dampening"),
-        (lambda p: torch.optim.RMSprop(p), "accel runs torch.optim.AdamW"),
+        (lambda p: torch.optim.ASGD(p), r"no optax translation of torch\.optim\.ASGD .*use the "
+         "eager, compile or xla backend"),
+        (lambda p: torch.optim.Rprop(p), r"no optax translation of torch\.optim\.Rprop"),
     ],
-)
+)  # fmt: skip
 def test_an_optimizer_jax_cannot_translate_is_refused_in_one_line(make, match):
     model = Net()
     with pytest.raises(accel.AccelError, match=match) as err:
         accel.prepare(model, make(model.parameters()), loss_fn, backend="jax", quiet=True)
     assert "\n" not in str(err.value)
-
-
-def test_maximize_is_refused_on_every_backend():
-    model = Net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, maximize=True)
-    with pytest.raises(accel.AccelError, match="maximize=True"):
-        accel.prepare(model, optimizer, loss_fn, backend="eager", quiet=True)
 
 
 def host_reading_loss(model: nn.Module, batch: tuple) -> torch.Tensor:

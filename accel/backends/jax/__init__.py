@@ -40,6 +40,8 @@ SUPPORTS = Supports(
     cuda_batches=True,
     replicas="devices",
     one_process=("tp", "shard"),
+    optimizers="AdamW, Adam, SGD (optax); RMSprop, Adagrad, Adamax, Adadelta, NAdam, RAdam "
+    "(torch's arithmetic, accel/backends/jax/torch_optax.py)",
     kernel_opt="nothing more: attention= picks cuDNN flash attention, a fused Pallas kernel "
     "(Swin's windows) or XLA's ops per shape",
 )

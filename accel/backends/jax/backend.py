@@ -152,11 +152,12 @@ class JaxBackend(BackendBase):
 
     def freeze(self, names: frozenset[str]) -> None:
         thawed = self.step.frozen - names
-        if thawed and self.state.optimizer.spec.kind in ("Adam", "AdamW"):
+        if thawed and self.state.optimizer.spec.kind != "SGD":
             raise ConfigError(
-                f"{sorted(thawed)[0]} requires a gradient again: the jax backend keeps one Adam "
-                "step count a param group, which went on while it was frozen (torch's stopped): "
-                "call accel.prepare again after unfreezing it, or train on eager, compile or xla"
+                f"{sorted(thawed)[0]} requires a gradient again: the jax backend keeps one "
+                f"{self.state.optimizer.spec.kind} step count a param group, which went on while "
+                "it was frozen (torch's stopped): call accel.prepare again after unfreezing it, "
+                "or train on eager, compile or xla"
             )
         self.step.freeze(names)
 

@@ -10,15 +10,18 @@ import jax.numpy as jnp
 import optax
 import torch
 
+from accel.backends.jax.torch_optax import RULES, TorchOptState, slots_of, torch_update
 from accel.backends.jax.values import host_value, to_jax, to_torch
 from accel.config import ConfigError
 from accel.optim import OptimizerSpec, followed_values
 
 
 class OptaxGroups:
-    """torch.optim.AdamW, Adam and SGD as optax transforms, one chain per param group over that
-    group's parameters (by name), so every group keeps its own hyperparameters and its state
-    maps one to one onto torch's (`step`, `exp_avg`, `exp_avg_sq`; `momentum_buffer`). The
+    """A torch optimizer (TRANSLATED: AdamW, Adam and SGD through optax's transforms, RMSprop,
+    Adagrad, Adamax, Adadelta, NAdam and RAdam through torch_optax.py's) as one chain per param
+    group over that group's parameters (by name), so every group keeps its own hyperparameters
+    and its state maps one to one onto torch's (`step`, `exp_avg`, `exp_avg_sq`;
+    `momentum_buffer`; torch's own names for the others). The
     learning rate is not part of a chain: the step multiplies each group's update by -lr. The
     rate and what a scheduler changes besides (beta1, momentum, weight decay: optim.FOLLOWED;
     beta2 stays as built, check_beta2) are arguments of the step (`rates`), so a changing
@@ -26,6 +29,11 @@ class OptaxGroups:
     built."""
 
     def __init__(self, spec: OptimizerSpec):
+        if spec.kind not in TRANSLATED:
+            raise ConfigError(
+                f"the jax backend has no optax translation of torch.optim.{spec.kind} (it "
+                f"translates {', '.join(TRANSLATED)}): use the eager, compile or xla backend"
+            )
         refused = spec.refusals(translatable=True)
         if refused:
             raise ConfigError(
@@ -38,17 +46,21 @@ class OptaxGroups:
     def _chain(self, h: dict, values: dict | None = None) -> optax.GradientTransformation:
         """The group's chain: its transforms as `h` (the user's group) has them, with the
         step's `values` (arrays: weight_decay, momentum, b1) where given."""
+        if self.spec.kind in RULES:  # torch's own arithmetic (torch_optax.py), maximize inside
+            return optax.chain(torch_update(self.spec.kind, h))
         v = {**h, "b1": h["betas"][0], "b2": h["betas"][1]} if "betas" in h else dict(h)
         v.update(values or {})
+        # torch's maximize: the gradient negated before anything else (the decay included)
+        negate = [optax.scale(-1.0)] if h.get("maximize") else []
         decay = [optax.add_decayed_weights(v["weight_decay"])] if h.get("weight_decay") else []
         if self.spec.kind == "SGD":
             momentum = [optax.trace(v["momentum"], h["nesterov"])] if h.get("momentum") else []
-            parts = [*decay, *momentum]  # torch's SGD: decay coupled to the gradient
+            parts = [*negate, *decay, *momentum]  # torch's SGD: decay coupled to the gradient
             return optax.chain(*parts) if parts else optax.identity()
         adam = optax.scale_by_adam(b1=v["b1"], b2=v["b2"], eps=h["eps"])
         if self.spec.kind == "AdamW" or h.get("decoupled_weight_decay"):
-            return optax.chain(adam, *decay)  # decoupled: p -= lr * (adam + wd * p)
-        return optax.chain(*decay, adam)  # Adam's L2: the decay joins the gradient
+            return optax.chain(*negate, adam, *decay)  # decoupled: p -= lr * (adam + wd * p)
+        return optax.chain(*negate, *decay, adam)  # Adam's L2: the decay joins the gradient
 
     def _split(self, tree: dict) -> list[dict]:
         return [{n: tree[n] for n in g.names} for g in self.spec.groups]
@@ -103,8 +115,11 @@ class OptaxGroups:
         for g, s in zip(self.spec.groups, state, strict=True):
             adam = _find(s, optax.ScaleByAdamState)
             trace = _find(s, optax.TraceState)
+            own = _find(s, TorchOptState)
             for n in g.names:
-                if adam is not None:
+                if own is not None:
+                    out[n] = {"step": own.step, **{k: v[n] for k, v in own.slots.items()}}
+                elif adam is not None:
                     out[n] = {"step": adam.count, "exp_avg": adam.mu[n], "exp_avg_sq": adam.nu[n]}
                 elif trace is not None:
                     out[n] = {"momentum_buffer": trace.trace[n]}
@@ -117,7 +132,14 @@ class OptaxGroups:
         for g, s in zip(self.spec.groups, self.init(params), strict=True):
             if g.names and g.names[0] in saved:
                 first = saved[g.names[0]]
-                if "exp_avg" in first:
+                if self.spec.kind in RULES:
+                    slots = slots_of(self.spec.kind, g.hyper)
+                    own = TorchOptState(
+                        step=jnp.asarray(int(first["step"]), jnp.int32),
+                        slots={k: {n: to_jax(saved[n][k], dtype) for n in g.names} for k in slots},
+                    )
+                    s = _replace(s, TorchOptState, own)
+                elif "exp_avg" in first:
                     adam = optax.ScaleByAdamState(
                         count=jnp.asarray(int(first["step"]), jnp.int32),
                         mu={n: to_jax(saved[n]["exp_avg"], dtype) for n in g.names},
@@ -129,6 +151,9 @@ class OptaxGroups:
                     s = _replace(s, optax.TraceState, optax.TraceState(trace=buffers))
             state.append(s)
         return tuple(state)
+
+
+TRANSLATED = ("AdamW", "Adam", "SGD", *RULES)  # the optimizers of torch.optim translated here
 
 
 def check_beta2(built: float, now: float) -> None:

@@ -10,7 +10,6 @@ What differs between backends comes in as functions: how the update is guarded (
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,17 +19,21 @@ from torch import nn
 from accel.amp import AmpPolicy
 from accel.backends.as_eager import modes_kept
 from accel.backends.base import split_loss
+from accel.backends.torch_family.first_state import StateInit, init_optimizer_state
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
 View = Callable[[dict[str, Any]], dict[str, Any]]  # a layout's view of the named state
-StateInit = Callable[[torch.Tensor], dict[str, torch.Tensor]]
 GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]  # the norm of these tensors' gradients
 
 
 def fused_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Tensor) -> None:
     """Fused AdamW leaves weights, moments and step count as they were where `found_inf` is 1,
-    on the device. fp16 loss scaling keeps torch's scaler, which decides on the host."""
+    on the device; an optimizer torch has no fused update of, where_guard. fp16 loss scaling
+    keeps torch's scaler, which decides on the host."""
+    if not optimizer.defaults.get("fused") and not scaler.is_enabled():
+        where_guard(optimizer, scaler, finite)
+        return
     if not scaler.is_enabled():
         # Read by fused AdamW's step; torch's Optimizer type does not declare it.
         optimizer.found_inf = (~finite).float()  # type: ignore[attr-defined]
@@ -53,32 +56,6 @@ def clip_to_norm(params: list[torch.Tensor], max_norm: float, norm: torch.Tensor
     grads = [local_part(p.grad) for p in params if p.grad is not None]
     scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
-
-
-def init_optimizer_state(optimizer: torch.optim.Optimizer, extra: StateInit | None = None) -> None:
-    """Create the optimizer's state where no step has made it yet, as its first step would
-    (Adam/AdamW: zero moments, step counts at zero; SGD with momentum: a zero buffer, which its
-    first step treats as it treats none when dampening is 0), so that a checkpoint loads into
-    it in place. Made directly rather than by a step on zero gradients (what
-    torch.distributed.checkpoint's helpers do): that costs a copy of the weights and of their
-    gradients, and capturable AdamW divides by the learning rate. `extra`: state tensors a
-    variant keeps besides (torch_xla's syncfree AdamW)."""
-    sgd = isinstance(optimizer, torch.optim.SGD)
-    for group in optimizer.param_groups:
-        on_device = group.get("fused") or group.get("capturable")
-        for p in group["params"]:
-            if optimizer.state.get(p):
-                continue
-            zeros = functools.partial(torch.zeros_like, p, memory_format=torch.preserve_format)
-            if sgd:
-                if group["momentum"] and not group["dampening"]:
-                    optimizer.state[p] = {"momentum_buffer": zeros()}
-                continue
-            step = torch.zeros((), dtype=torch.float32, device=p.device if on_device else "cpu")
-            state = {"step": step, "exp_avg": zeros(), "exp_avg_sq": zeros()}
-            if group.get("amsgrad"):
-                state["max_exp_avg_sq"] = zeros()
-            optimizer.state[p] = {**state, **(extra(p) if extra else {})}
 
 
 def updated_tensors(optimizer: torch.optim.Optimizer, param: torch.Tensor) -> dict:
@@ -109,7 +86,8 @@ def where_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.Ten
             for name, new in updated_tensors(optimizer, p).items():
                 # State the first step creates starts at zero (moments, counts, buffers).
                 old = before[p].get(name, torch.zeros_like(new))
-                new.copy_(torch.where(finite, new, old))
+                # (a count an optimizer keeps on the host, Adagrad's on xla: read there)
+                new.copy_(torch.where(finite.to(new.device), new, old))
 
 
 class TorchCore:
@@ -169,8 +147,8 @@ class TorchCore:
             values = {"lr": rate, **(followed[group.get("spec_group", i)] if followed else {})}
             if self.device_values and group.get("capturable"):
                 values["lr"] = torch.tensor(float(rate), device=self.device)
-                built = group.setdefault("built_betas", group["betas"])
-                if values.get("betas", built) != built:  # scheduled, from now on
+                built = group.setdefault("built_betas", group.get("betas"))  # (Adam's: RMSprop
+                if values.get("betas", built) != built:  # has none) scheduled, from now on
                     group["scheduled_betas"] = True
                 if group.get("scheduled_betas") and "betas" in values:  # a read of beta1 a step
                     betas = tuple(torch.tensor(b, device=self.device) for b in values["betas"])

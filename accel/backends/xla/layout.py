@@ -12,7 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.torch_family.core import TorchCore, init_optimizer_state
+from accel.backends.torch_family.core import TorchCore
+from accel.backends.torch_family.first_state import init_optimizer_state
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import xm, xs
 from accel.config import MeshConfig

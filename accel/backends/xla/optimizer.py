@@ -1,5 +1,5 @@
 """The optimizer the xla backend's step updates with: the user's, rebuilt over the tensors the step
-updates, capturable (Adam's step count on the device, so where_guard restores it inside the graph);
+updates, capturable (its step count on the device, so where_guard restores it inside the graph);
 with kernel_opt=True, AdamW as torch_xla's syncfree one, which skips a non-finite update inside its
 own kernel."""
 
@@ -30,6 +30,9 @@ def syncfree_guard(optimizer: torch.optim.Optimizer, scaler: Any, finite: torch.
     optimizer.step(found_inf=(~finite).float())  # type: ignore[call-overload]
 
 
+NOT_CAPTURABLE = ("SGD", "Adadelta", "Adagrad")  # optimizers built without capturable on xla
+
+
 class XlaOptimizer:
     """Which optimizer, how its update is skipped (`guard`) and what state it keeps beyond torch's
     AdamW (`extra_state`)."""
@@ -52,5 +55,9 @@ class XlaOptimizer:
             from torch_xla.amp import syncfree
 
             return spec.build(named, optimizer_class=syncfree.AdamW)
-        flags: dict[str, Any] = {} if spec.kind == "SGD" else {"capturable": True}
-        return spec.build(named, **flags)
+        # Capturable: the step count on the device, not a number of the host's that each step
+        # would compile into a new graph (torch's Adadelta takes no capturable on xla; its
+        # count enters no arithmetic; Adagrad has none, its count only in lr_decay's rate).
+        if spec.kind in NOT_CAPTURABLE:
+            return spec.build(named)
+        return spec.build(named, capturable=True)

@@ -1,0 +1,106 @@
+"""Every torch optimizer of torch.optim a script may bring trains on each backend that claims it as
+the plain loop with that optimizer does: its weights and its optimizer state (read through the
+script's own optimizer, as torch's state_dict gives it) after 5 steps, to 1e-5. eager, compile
+and xla run torch's own update; jax its translation (optax's for AdamW, Adam and SGD, torch's
+arithmetic in accel/backends/jax/torch_optax.py for the rest). What no backend runs (LBFGS's
+closure) is one line."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+import accel
+from tests.helpers import HAS_XLA
+
+BACKENDS = ["eager", "compile", "xla", "jax"] if HAS_XLA else ["eager", "compile", "jax"]
+STEPS = 5
+
+OPTIMIZERS: dict[str, Callable[[list], torch.optim.Optimizer]] = {
+    "RMSprop": lambda p: torch.optim.RMSprop(p, lr=1e-2, weight_decay=0.01),
+    "RMSprop_centered_momentum": lambda p: torch.optim.RMSprop(
+        p, lr=1e-2, alpha=0.9, centered=True, momentum=0.9
+    ),
+    "Adagrad": lambda p: torch.optim.Adagrad(
+        p, lr=0.1, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1
+    ),
+    "NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2, weight_decay=0.01),
+    "RAdam_decoupled": lambda p: torch.optim.RAdam(
+        p, lr=1e-2, weight_decay=0.01, decoupled_weight_decay=True
+    ),
+    "Adamax": lambda p: torch.optim.Adamax(p, lr=1e-2, weight_decay=0.01),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, lr=1.0, weight_decay=0.01),
+    "SGD_maximize": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, maximize=True),
+    "AdamW_maximize": lambda p: torch.optim.AdamW(p, lr=1e-2, maximize=True),
+}
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def loss_fn(model: nn.Module, batch: tuple) -> torch.Tensor:
+    inputs, labels = batch
+    return nn.functional.cross_entropy(model(inputs), labels)
+
+
+def batches() -> list[tuple]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g))
+            for _ in range(STEPS)]  # fmt: skip
+
+
+def plain(kind: str) -> tuple[dict, dict]:
+    model = mlp()
+    optimizer = OPTIMIZERS[kind](model.parameters())
+    for batch in batches():
+        optimizer.zero_grad()
+        loss_fn(model, batch).backward()
+        optimizer.step()
+    return model.state_dict(), optimizer.state_dict()["state"]
+
+
+def on_accel(kind: str, backend: str) -> tuple[dict, dict]:
+    model = mlp()
+    optimizer = OPTIMIZERS[kind](model.parameters())
+    engine = accel.prepare(model, optimizer, loss_fn, backend=backend, quiet=True)
+    engine.fetch([engine.step(*b) for b in batches()])
+    return engine.state_dict(), optimizer.state_dict()["state"]  # the script's own optimizer
+
+
+@pytest.mark.parametrize("kind", list(OPTIMIZERS))
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_each_optimizer_trains_as_the_plain_loop(backend, kind):
+    weights, state = on_accel(kind, backend)
+    want_weights, want_state = plain(kind)
+    for name, value in want_weights.items():
+        torch.testing.assert_close(weights[name], value, rtol=1e-5, atol=1e-6, msg=name)
+    assert set(state) == set(want_state)
+    for index, tensors in want_state.items():
+        assert set(state[index]) == set(tensors), index
+        for key, value in tensors.items():
+            got = torch.as_tensor(state[index][key]).float()
+            torch.testing.assert_close(got, value.float(), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_lbfgs_is_refused_in_one_line():
+    model = mlp()
+    with pytest.raises(accel.AccelError, match=r"^accel cannot run torch\.optim\.LBFGS: its step "
+                       r"calls a closure"):  # fmt: skip
+        accel.prepare(model, torch.optim.LBFGS(model.parameters()), loss_fn, quiet=True)
+
+
+def test_a_value_no_step_follows_changed_by_a_scheduler_is_one_line():
+    model = mlp()
+    optimizer = torch.optim.RMSprop(model.parameters(), lr=1e-2, momentum=0.9)
+    schedule = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    engine = accel.prepare(model, optimizer, loss_fn, schedule=schedule, quiet=True)
+    batch = batches()[0]
+    engine.fetch([engine.step(*batch)])  # the first step: the momentum as built
+    with pytest.raises(accel.AccelError, match=r"^RMSprop's momentum changed from 0\.9\d* to "
+                       r"[\d.]+ after prepare: accel's step follows its lr only"):  # fmt: skip
+        engine.step(*batch)
