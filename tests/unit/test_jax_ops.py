@@ -11,7 +11,9 @@ import numpy as np
 import torch
 
 from accel.backends import jax as jax_backend
+from accel.backends.jax.model_ops import MODEL_LOWERINGS
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
+from accel.backends.jax.tracing import eager_lowerings
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +36,7 @@ def value_and_grad(env, fn, *inputs: np.ndarray):
             tensors = [runtime.interop.torch_view(a) for a in (first, *rest)]
             return runtime.interop.jax_view(fn(*tensors))
 
-    with overridden(env, EAGER_LOWERINGS):
+    with overridden(env, eager_lowerings(env)):
         value, grad = jax.jit(jax.value_and_grad(traced))(*(jnp.asarray(i) for i in inputs))
     tensors = [torch.tensor(i, requires_grad=k == 0) for k, i in enumerate(inputs)]
     expected = fn(*tensors)
@@ -149,6 +151,57 @@ SIGNATURE_CASES = {  # what the case calls: the function accel lowers, and the c
             return_indices=False,
         ),
     ),
+    "F.ctc_loss by keyword, targets concatenated": (
+        F.ctc_loss,
+        lambda t: F.ctc_loss(
+            log_probs=t.reshape(6, 2, 6).log_softmax(-1),
+            targets=torch.tensor([1, 2, 3, 3, 4]),
+            input_lengths=torch.tensor([6, 5]),
+            target_lengths=torch.tensor([2, 3]),
+            blank=0,
+            reduction="mean",
+            zero_infinity=False,
+        ),
+    ),
+    "torch.ctc_loss, all by position, padded targets and an impossible alignment zeroed": (
+        torch.ctc_loss,
+        lambda t: torch.ctc_loss(
+            t.reshape(6, 2, 6).log_softmax(-1),
+            torch.tensor([[1, 1, 2], [4, 4, 4]]),  # the second needs 5 steps and is given 2
+            [6, 2],
+            [3, 3],
+            5,
+            1,  # torch.ctc_loss's reduction by number: "mean"... as F.ctc_loss's enum
+            True,
+        ).sum(),
+    ),
+    "F.embedding_bag by keyword, mean with padding_idx": (
+        F.embedding_bag,
+        lambda t: F.embedding_bag(
+            input=torch.tensor([1, 2, 4, 5, 4, 3, 2, 9]),
+            weight=t.reshape(12, 6),
+            offsets=torch.tensor([0, 4, 4]),  # the middle bag empty
+            mode="mean",
+            padding_idx=4,
+        ),
+    ),
+    "F.embedding_bag, all by position: max of rows of a 2-D input": (
+        F.embedding_bag,
+        lambda t: F.embedding_bag(
+            torch.tensor([[1, 2, 3], [7, 7, 0]]), t.reshape(12, 6), None, None, 2.0, False, "max"
+        ),
+    ),
+    "F.embedding_bag: per-sample weights summed, the last offset included": (
+        F.embedding_bag,
+        lambda t: F.embedding_bag(
+            torch.tensor([1, 2, 3, 8]),
+            t.reshape(12, 6),
+            torch.tensor([0, 1, 4]),
+            mode="sum",
+            per_sample_weights=torch.tensor([0.5, 2.0, -1.0, 3.0]),
+            include_last_offset=True,
+        ),
+    ),
     "torch.linalg.lstsq by keyword": (
         torch.linalg.lstsq,
         # torch's own keywords (its docs name them A and B)
@@ -158,7 +211,8 @@ SIGNATURE_CASES = {  # what the case calls: the function accel lowers, and the c
 
 
 def test_every_torch_function_accel_lowers_has_a_signature_case():
-    lowered = {f for f in EAGER_LOWERINGS if not str(f).startswith("aten.")}  # not ATen's ops
+    lowered = {**EAGER_LOWERINGS, **MODEL_LOWERINGS}
+    lowered = {f for f in lowered if not str(f).startswith("aten.")}  # not ATen's ops
     assert lowered == {function for function, _ in SIGNATURE_CASES.values()}
 
 
@@ -171,6 +225,31 @@ def test_each_lowered_function_takes_torchs_arguments_as_torch_does(env, case):
     )
     assert value == pytest.approx(want, rel=1e-4)
     np.testing.assert_allclose(grad, want_grad, rtol=1e-3, atol=1e-3)
+
+
+def _distributions(t: torch.Tensor) -> torch.Tensor:
+    """torch.distributions with their arguments validated (torch's default)."""
+    dist = torch.distributions
+    normal = dist.Normal(t[0, 0], F.softplus(t[0, 1]) + 0.1, validate_args=True)
+    category = dist.Categorical(logits=t[1], validate_args=True)
+    coin = dist.Bernoulli(logits=t[0, 2], validate_args=True)
+    labels, heads = torch.arange(6) % 3, (torch.arange(6) % 2).float()
+    return -(normal.log_prob(t[0, 3]) + category.log_prob(labels) + coin.log_prob(heads)).sum()
+
+
+def _warped(t: torch.Tensor) -> torch.Tensor:
+    """An image resampled through an affine grid (a spatial transformer's)."""
+    theta = t[0, :2, :3].unsqueeze(0) * 0.5 + torch.eye(2, 3)
+    grid = F.affine_grid(theta, [1, 1, 6, 6], align_corners=False)
+    return F.grid_sample(t[1][None, None], grid, align_corners=False).pow(2).sum()
+
+
+@pytest.mark.parametrize("loss", [_distributions, _warped], ids=["distributions", "grid_sample"])
+def test_ops_torchax_lacks_give_torchs_values_and_gradients(env, loss):
+    x = np.random.default_rng(5).standard_normal((2, 6, 6)).astype(np.float32)
+    (value, grad), (want, want_grad) = value_and_grad(env, loss, x)
+    assert value == pytest.approx(want, rel=1e-5)
+    np.testing.assert_allclose(grad, want_grad, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("kind", ["plain", "bias", "bias and mask", "causal"])

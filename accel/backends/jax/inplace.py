@@ -167,9 +167,26 @@ class ViewOf:
         return self.lowering(array, *args, **kwargs)
 
 
+def _matrix_transpose(array: jax.Array) -> jax.Array:
+    return jnp.swapaxes(array, -1, -2)
+
+
+def _adjoint(array: jax.Array) -> jax.Array:
+    return jnp.conj(jnp.swapaxes(array, -1, -2))
+
+
+# View ops torchax has no lowering of (an affine_grid reaches mT), lowered here.
+OWN_VIEWS = {"mT": _matrix_transpose, "mH": _adjoint, "adjoint": _adjoint}
+
+
 def view_ops(env: Any) -> dict[Any, ViewOf]:
-    """VIEW_OPS lowered as views, each through the lowering torchax has for it in `env`."""
+    """VIEW_OPS lowered as views, each through the lowering torchax has for it in `env`, and
+    OWN_VIEWS."""
     table: dict[Any, ViewOf] = {}
+    for packet_name, fn in OWN_VIEWS.items():
+        packet = getattr(torch.ops.aten, packet_name, None)
+        if packet is not None:
+            table[packet] = table[packet.default] = ViewOf(fn)
     for name in VIEW_OPS:
         packet, _, overload = name.partition(".")
         op = getattr(getattr(torch.ops.aten, packet, None), overload, None)

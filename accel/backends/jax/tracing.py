@@ -21,6 +21,7 @@ from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
 from accel.backends.jax.inplace import view_ops, write_through_ops
+from accel.backends.jax.model_ops import MODEL_LOWERINGS
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
 from accel.backends.jax.trace_rules import (
     METADATA,
@@ -55,6 +56,12 @@ def torch_sdpa(kernels: AttentionKernels) -> Callable:
         return runtime.interop.call_jax(attention, query, key, value, attn_mask, scale, is_causal)
 
     return sdpa
+
+
+def eager_lowerings(env: Any) -> dict[Any, Any]:
+    """Every op lowered here rather than by torchax while the backend traces (attention
+    apart): ops.py's, model_ops.py's, and inplace.py's views and writes into them."""
+    return {**EAGER_LOWERINGS, **MODEL_LOWERINGS, **write_through_ops(), **view_ops(env)}
 
 
 def attention_lowerings(sdpa: Callable) -> dict[Any, Callable]:
@@ -352,8 +359,7 @@ class Tracer:
     def tracing(self) -> Iterator[None]:
         """Around a call that may trace: torch's attention on the backend's kernels, and what
         torchax cannot trace in one line (lowering_errors)."""
-        lowerings = {**attention_lowerings(self.sdpa), **EAGER_LOWERINGS, **write_through_ops()}
-        lowerings |= view_ops(self.env)
+        lowerings = {**attention_lowerings(self.sdpa), **eager_lowerings(self.env)}
         with overridden(self.env, lowerings), self.lowering_errors():
             yield
 
