@@ -84,9 +84,10 @@ def prepare(
         that a sharded layout never holds a whole copy on every rank. A model wrapped in
         DataParallel or DistributedDataParallel trains the module it wraps (accel splits the
         batch and reduces the gradients itself).
-    optimizer: a torch.optim.AdamW, Adam or SGD over the model's parameters, with its param
-        groups (their own lr and weight decay; timm's `lr_scale` for layer decay). accel rebuilds
-        it over the tensors it updates (jax: translates it to optax); yours is not stepped, but
+    optimizer: any torch.optim optimizer but LBFGS and SparseAdam over the model's parameters,
+        with its param groups (their own lr and weight decay; timm's `lr_scale` for layer decay).
+        accel rebuilds it over the tensors it updates (jax: translates it to optax or to torch's
+        own arithmetic); yours is not stepped, but
         its state_dict() and load_state_dict() are the engine's (accel/user_optimizer.py).
     loss_fn: (model, batch) -> scalar tensor, or (loss, {name: scalar tensor}) whose extras
         (training accuracy, say) come back with the loss in `fetch`; `batch` is what `step`
@@ -98,7 +99,9 @@ def prepare(
         steps. Without it each step takes `optimizer`'s groups' rates as they are then: step
         your own scheduler (per step or per epoch) as you always have.
     clip_grad: the gradients' global norm limit, after the mean over replicas (0: none).
-    accum: micro-batches each `step` batch is split into (same result, less memory).
+    accum: micro-batches each `step` batch is split into (same result, less memory); a
+        shorter group given to `step_micro_batches` weighs its share of a whole one, as the
+        plain loop's that divides each micro-batch's loss by `accum`.
     amp: O0 fp32; O1 autocast; O2 low-precision weights with fp32 masters; O3 all low precision.
     ema: keep an exponential moving average of the weights with this decay (or a function of
         the optimizer steps done, this one included, giving it).

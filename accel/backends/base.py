@@ -82,6 +82,13 @@ def classifier_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
     return list(named()) if callable(named) else []
 
 
+def group_divisor(micro_steps: int, accum: int) -> int:
+    """What each micro-batch's loss is divided by before its backward: `accum`, as the plain
+    loop (and Accelerate) divide it, so that a short group at an epoch's end (k < accum
+    micro-batches) weighs k/accum of a whole one; more than `accum` are averaged."""
+    return max(micro_steps, accum)
+
+
 def split_batch(batch: tuple, parts: int) -> list[tuple]:
     """A batch as `parts` micro-batches along its first axis (gradient accumulation)."""
     size = batch[0].shape[0] // parts

@@ -828,10 +828,11 @@ class Checkpointed(nn.Module):
 
 # torch.utils.checkpoint does not run in xla's step (it looks for a torch.xla device module,
 # reentrant or not): xla trains no block through it.
-@pytest.mark.parametrize("backend", ["jax"])
+@pytest.mark.parametrize("backend", ["compile", "jax"])
 def test_a_reentrant_checkpoint_is_refused_in_one_line_with_the_cure(backend):
     """torch gives a reentrant checkpoint's block no gradient where its input needs none; jax's
-    traced step would train it: refused, naming use_reentrant=False."""
+    traced step and torch.compile's graph would train it: refused, naming
+    use_reentrant=False."""
     torch.manual_seed(0)
     model = Checkpointed(reentrant=True)
     with pytest.raises(accel.AccelError) as caught:

@@ -138,6 +138,7 @@ class CompiledStep:
             weight_shardings=layout.weights,
             unread=lambda: self.tracer.unread,
             frozen=self.frozen,
+            accum=self.cfg.step.accum,
         )
         return jax.jit(step, donate_argnums=DONATED, out_shardings=self._outs())
 

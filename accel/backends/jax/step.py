@@ -13,7 +13,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from accel.backends.base import replica_seed
+from accel.backends.base import group_divisor, replica_seed
 from accel.backends.jax.optimizer import OptaxGroups
 from accel.parallel.mesh import Axis
 
@@ -33,6 +33,7 @@ def make_train_step(
     weight_shardings: Any = None,
     unread: Callable[[], Collection[str]] = frozenset,
     frozen: Collection[str] = frozenset(),
+    accum: int = 1,
 ) -> TrainStep:
     """The whole optimizer step as one pure function (what torchax's make_train_step builds):
 
@@ -49,6 +50,8 @@ def make_train_step(
     is traced: the weights the loss did not read, left as they are by the update (no weight
     decay, no moments), as torch's optimizers leave a parameter without a gradient; `frozen`:
     weights that no longer require a gradient, left so too, and out of the clipping norm.
+    `accum`: the micro-steps of a whole group; a shorter one's gradients weigh their share of
+    it, as the plain loop's (base.group_divisor).
 
     `batch`: arrays [micro-steps, global batch, ...], split over the mesh's `dp` axis; each
     device takes its part's gradients, then the explicit mean over the devices (shard_map +
@@ -91,17 +94,19 @@ def make_train_step(
             return (loss, constrain(grads), {**consts, **written}), extras  # extras stacked
 
         steps = batch[0].shape[0]
+        divisor = group_divisor(steps, accum)  # a short group weighs steps/accum
         if steps == 1:  # no accumulation: the one micro-step as it is, no loop around it
             value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
             one = tuple(t[0] for t in batch)
             key_0 = jax.random.fold_in(key, 0)  # the draws a first micro-step makes
             (loss, (extras, written)), grads = value_and_grad(params, consts, one, key_0)
+            grads = jax.tree.map(lambda g: g / divisor, grads) if divisor > 1 else grads
             return loss, extras, constrain(grads), {**consts, **written}
         zeros = (jnp.zeros((), jnp.float32), constrain(jax.tree.map(jnp.zeros_like, params)))
         micro = (batch, jnp.arange(steps))
         (loss, grads, consts), extras = jax.lax.scan(micro_step, (*zeros, consts), micro)
-        loss, grads = jax.tree.map(lambda x: x / steps, (loss, grads))
-        return loss, extras.mean(axis=0), grads, consts
+        grads = jax.tree.map(lambda g: g / divisor, grads)
+        return loss / steps, extras.mean(axis=0), grads, consts
 
     def local_grads(params, consts, batch, count):
         # Random draws differ per step, device and micro-step, and follow from the seed and the

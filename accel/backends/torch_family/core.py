@@ -1,5 +1,5 @@
 """The optimizer step every torch-module backend shares (eager, compile, xla): AMP (autocast, fp32
-master weights, fp16 loss scaling), the optimizer (AdamW, Adam, SGD) guarded against non-finite
+master weights, fp16 loss scaling), the optimizer (any of torch.optim's) guarded against non-finite
 steps, clipping to a norm the caller computes (it knows how the gradients are split), and the
 state by parameter name.
 
@@ -18,7 +18,7 @@ from torch import nn
 
 from accel.amp import AmpPolicy
 from accel.backends.as_eager import modes_kept
-from accel.backends.base import split_loss
+from accel.backends.base import group_divisor, split_loss
 from accel.backends.torch_family.first_state import StateInit, init_optimizer_state
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
@@ -297,18 +297,20 @@ def accumulate(
     forward_loss: Callable[..., Any],
     core: TorchCore,
     scope: Callable[[bool], Any],
+    accum: int = 1,
 ) -> torch.Tensor:
-    """The backward of each micro-batch's share of the mean loss, inside `scope(last)` (the
-    backend's autocast, and DDP's no_sync before the last); returns this rank's means over the
-    micro-batches as one vector, [loss, *extras] (the extras' names go to `core.extra_keys`)."""
+    """The backward of each micro-batch's share of the group's loss (group_divisor), inside
+    `scope(last)` (the backend's autocast, and DDP's no_sync before the last); returns this
+    rank's means over the micro-batches as one vector, [loss, *extras] (the extras' names go to
+    `core.extra_keys`)."""
     total = torch.zeros((), device=core.device)
     extras = torch.zeros(0, device=core.device)
+    divisor = group_divisor(len(micro_batches), accum)
     for i, batch in enumerate(micro_batches):
         with scope(i == len(micro_batches) - 1):
             loss, named = split_loss(forward_loss(*batch))
-            loss = loss / len(micro_batches)
-        core.backward(loss)
-        total += loss.detach()
+        core.backward(loss / divisor)
+        total += loss.detach() / len(micro_batches)
         core.extra_keys = list(named)
         if named:
             values = [torch.as_tensor(v, device=core.device).detach() for v in named.values()]

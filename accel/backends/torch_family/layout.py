@@ -76,7 +76,7 @@ class Layout:
             with self.sync(last), core.autocast():
                 yield
 
-        return accumulate(micro_batches, forward_loss, core, scope)
+        return accumulate(micro_batches, forward_loss, core, scope, self.cfg.step.accum)
 
     def mean_loss(self, loss: torch.Tensor) -> torch.Tensor:
         return reductions.all_reduce(loss, group=self.dp_group, mean=True)

@@ -34,6 +34,7 @@ class XlaStep:
         core: TorchCore,
     ):
         self.clip, self.grad_reduce = cfg.step.clip_grad, cfg.compiler.grad_reduce
+        self.accum = cfg.step.accum
         self.amp, self.core = amp, core
         self.devices, self.layout, self.batches, self.compiles = parts
         # (device type, backend) -> the context the step runs in: RefuseHostReads once adopted
@@ -59,7 +60,7 @@ class XlaStep:
         devices = self.devices
         # Host micro-batches, cut on the host, each split over the mesh as the loader's are.
         micro_batches = [self.batches.on_device(batch) for batch in micro_batches]
-        means = accumulate(micro_batches, self.forward_loss, self.core, self.scope)
+        means = accumulate(micro_batches, self.forward_loss, self.core, self.scope, self.accum)
         devices.reduce_gradients(self.core.params, self.grad_reduce)
         means = devices.all_reduce(means, mean=True)  # [loss, *extras] over the replicas
         applied = self.core.update(lr, means[0], self.clip, self.grad_norm, ema_decay)
