@@ -45,14 +45,12 @@ from accel.checkpoint import (
 from accel.config import AccelError, EmaDecayFn
 from accel.distributed import DistContext
 from accel.loop import (
+    CompileWatch,
     LoopPart,
     SkipWatch,
     StepCount,
-    check_recompiles,
     check_sharded,
     check_workers,
-    compiled_again,
-    say,
     user_errors,
 )
 from accel.optim import LearningRates
@@ -103,11 +101,8 @@ class Engine:
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
         self.model_given, self.script = model_given, script
-        self.shapes: tuple | None = None  # the last step's batch shapes
-        self.shapes_seen: set[tuple] = set()  # those the step was compiled for
+        self.compiles = CompileWatch(backend, max_recompiles)
         self.skips = SkipWatch()
-        self.max_recompiles = max_recompiles
-        self.compiled_at_warmup: int | None = None  # the backend's step compiles at warm-up
         self.changes = 0  # steps and loads so far: what changed the trained weights
         self.synced = 0  # the changes the given model holds (sync_model)
         self.reading = False  # the engine reads the given model: its read hooks stand by
@@ -194,33 +189,36 @@ class Engine:
         micro-batches here; `step_micro_batches` takes them already split."""
         batch = self.trees.step_batch(batch)
         try:
-            return self.step_micro_batches(self.micro_batches(batch))
+            return self.step_leaves(self.micro_batches(batch))
         except BackendUnavailable as err:  # an op the backend cannot lower: one line
             raise AccelError(str(err)) from None
 
     def step_micro_batches(self, micro_batches: list[Any]) -> Any:
         """One optimizer step over `accum` device batches from `loader` (split for gradient
-        accumulation); a handle, as `step`. An op the backend cannot lower: BackendUnavailable."""
+        accumulation), each as the loader gave it (a tuple, a dict...); a handle, as `step`.
+        A group of k < `accum` weighs k/accum of a whole one, as the plain loop's."""
+        if not micro_batches:
+            raise AccelError("engine.step_micro_batches() got no micro-batch")
+        leaves = [self.trees.step_batch((batch,)) for batch in micro_batches]
+        try:
+            return self.step_leaves(leaves)
+        except BackendUnavailable as err:
+            raise AccelError(str(err)) from None
+
+    def step_leaves(self, micro_batches: list[tuple]) -> Any:
+        """The step over micro-batches given as their tensors. An op the backend cannot lower:
+        BackendUnavailable."""
         if self.script:  # weights frozen or groups added since the last step: followed, or one line
             self.script.before_step(self.runner)
         done = self.state.step
         self.lr = self.rates(done)
         decay = self.ema(done + 1) if callable(self.ema) else self.ema
-        shapes = tuple(tuple(getattr(t, "shape", ())) for t in micro_batches[0])
         started = time.perf_counter()
         with user_errors("step"):
             handle = self.runner.train_step(micro_batches, self.lr, decay)
-        before, self.shapes = self.shapes, shapes
         self.state.step = done + 1
         self.changes += 1
-        new = shapes not in self.shapes_seen  # a compiling backend compiled the step for them
-        self.shapes_seen.add(shapes)
-        check_recompiles(  # past the limit: the error, not the notice
-            self.max_recompiles, self.compiles_after_warmup(), self.shapes_seen,
-            self.runner.explain_compiles,
-        )  # fmt: skip
-        if new and before is not None and self.runner.compiles_per_shape and self.is_main:
-            say(compiled_again(self.backend, time.perf_counter() - started, shapes, before))
+        self.compiles.stepped(micro_batches, time.perf_counter() - started, self.is_main)
         return handle
 
     def lowered_step(self, *batch: Any, platforms: Sequence[str] = ()) -> Any:
@@ -336,13 +334,11 @@ class Engine:
 
     def mark_warmup_done(self) -> None:
         """Count compiles from here on (recompiles; past `max_recompiles` a step raises)."""
-        self.compiled_at_warmup = self.runner.step_compiles()
+        self.compiles.mark_warmup_done()
 
     def compiles_after_warmup(self) -> int:
-        """Graphs of the step compiled since `mark_warmup_done` (0 before it; at least 0: jax's
-        step rebuilt on XLA's attention where cuDNN refused counts afresh)."""
-        at = self.compiled_at_warmup
-        return 0 if at is None else max(0, self.runner.step_compiles() - at)
+        """Graphs of the step compiled since `mark_warmup_done` (0 before it)."""
+        return self.compiles.after_warmup()
 
     def stats(self) -> BackendStats:
         """What the backend tells of the run so far: graphs compiled (after warm-up too), compile

@@ -74,12 +74,59 @@ def shape_text(shapes: tuple) -> str:
 
 
 def compiled_again(backend: str, seconds: float, shapes: tuple, before: tuple) -> str:
-    """The notice of a step compiled again for new batch shapes."""
+    """The notice of a step compiled again for new batch shapes: (micro-batches, shapes)."""
+    (count, now), (count_before, then) = shapes, before
+    if now == then:  # the same micro-batches, fewer or more of them: an epoch's short group
+        what, cure = f"{count} micro-batches, after {count_before}", "a full last group"
+    else:
+        what = f"batch shapes {shape_text(now)}, after {shape_text(then)}"
+        cure = "a DataLoader's drop_last=True"
     return (
-        f"the {backend} step compiled again ({seconds:.1f} s) for batch shapes "
-        f"{shape_text(shapes)}, after {shape_text(before)}: keep them fixed (a "
-        "DataLoader's drop_last=True)"
+        f"the {backend} step compiled again ({seconds:.1f} s) for {what}: keep them fixed ({cure})"
     )
+
+
+class Compiling(Protocol):
+    """What CompileWatch asks of the backend."""
+
+    name: str
+    compiles_per_shape: bool
+    explain_compiles: str
+
+    def step_compiles(self) -> int: ...
+
+
+class CompileWatch:
+    """The step's compiles, watched from its batches: a new shape (or number of micro-batches)
+    said once on a backend that compiles per shape, and the recompile limit after warm-up
+    (`max_recompiles`, -1: any) checked after each step."""
+
+    def __init__(self, backend: Compiling, max_recompiles: int = -1):
+        self.backend, self.max_recompiles = backend, max_recompiles
+        self.last: tuple | None = None  # the last step's (micro-batches, shapes)
+        self.seen: set[tuple] = set()  # those the step was compiled for
+        self.at_warmup: int | None = None  # the backend's step compiles at warm-up
+
+    def stepped(self, micro_batches: list[tuple], seconds: float, main: bool) -> None:
+        shapes = (len(micro_batches), tuple(tuple(t.shape) for t in micro_batches[0]))
+        before, self.last = self.last, shapes
+        new = shapes not in self.seen  # a compiling backend compiled the step for them
+        self.seen.add(shapes)
+        by_shape = {s for _, s in self.seen}
+        check_recompiles(  # past the limit: the error, not the notice
+            self.max_recompiles, self.after_warmup(), by_shape, self.backend.explain_compiles
+        )
+        if new and before is not None and self.backend.compiles_per_shape and main:
+            say(compiled_again(self.backend.name, seconds, shapes, before))
+
+    def mark_warmup_done(self) -> None:
+        self.at_warmup = self.backend.step_compiles()
+
+    def after_warmup(self) -> int:
+        """Graphs of the step compiled since warm-up (0 before it; at least 0: jax's step
+        rebuilt on XLA's attention where cuDNN refused counts afresh)."""
+        at = self.at_warmup
+        return 0 if at is None else max(0, self.backend.step_compiles() - at)
 
 
 def check_recompiles(limit: int, compiled: int, shapes_seen: set[tuple], explain: str) -> None:

@@ -33,15 +33,17 @@ class TrainedOnRead:
     def __init__(self, engine: Trained, model: nn.Module):
         self.engine = weakref.ref(engine)
         model.register_state_dict_pre_hook(self.before_state_dict)
-        model.register_forward_pre_hook(self.before_forward)
+        model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
 
     def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self.sync()
 
-    def before_forward(self, module: nn.Module, args: tuple) -> None:
+    def before_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         # The backend traces the model on tensors of its own (torchax's, on the "jax" device),
-        # with the weights it hands the trace: nothing to copy in then.
-        if not any(isinstance(a, torch.Tensor) and a.device.type == "jax" for a in args):
+        # given by position or by keyword (`model(pixel_values=...)`), with the weights it
+        # hands the trace: nothing to copy in then.
+        given = (*args, *kwargs.values())
+        if not any(isinstance(a, torch.Tensor) and a.device.type == "jax" for a in given):
             self.sync()
 
     def sync(self) -> None:

@@ -284,20 +284,27 @@ class PythonState:
                     found[(prefix, attr)] = value
         return found
 
-    def check(self) -> None:
-        """Refuses, in one line naming the first attribute changed, a trace that changed one."""
+    def changed(self) -> tuple[str, Any, Any] | None:
+        """The first attribute a trace changed (its name, before, after), or None."""
         after = self.values()
         for key, value in self.before.items():
             if key in after and after[key] != value:
                 prefix, attr = key
-                where = f"{prefix}.{attr}" if prefix else attr
-                raise ConfigError(
-                    f"the jax backend traces {self.label}'s forward once, and it changed "
-                    f"{where} ({value!r} to {after[key]!r}): that change would happen once, not "
-                    "at every step as on eager; keep such state in a tensor (a buffer: "
-                    "register_buffer) or out of forward, or train with the eager, compile or "
-                    "xla backend"
-                )
+                return (f"{prefix}.{attr}" if prefix else attr), value, after[key]
+        return None
+
+    def check(self) -> None:
+        """Refuses, in one line naming the first attribute changed, a trace that changed one."""
+        change = self.changed()
+        if change is not None:
+            where, value, now = change
+            raise ConfigError(
+                f"the jax backend traces {self.label}'s forward once, and its forward changes "
+                f"{where} at every call ({value!r} to {now!r}): that change would happen once, "
+                "not at every step as on eager; keep such state in a tensor (a buffer: "
+                "register_buffer) or out of forward, or train with the eager, compile or xla "
+                "backend"
+            )
 
 
 __all__ = [

@@ -7,7 +7,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -294,16 +294,32 @@ class Tracer:
         if fn not in self.objectives:
             wrapped = Objective(self.module, fn)
 
-            def call(params: dict, consts: dict, *batch: torch.Tensor) -> Any:
+            def traced(params: dict, consts: dict, batch: tuple) -> tuple[Any, dict]:
+                """One trace of fn, on the weights as given (a second trace starts anew)."""
                 weights = {f"model.{n}": v for n, v in {**consts, **params}.items()}
-                before = {n: runtime.interop.jax_view(v) for n, v in consts.items()}
                 wrapped.reads = ParameterReads(params)
                 remat = self.remat.installed(wrapped.reads) if self.training else nullcontext()
-                state = PythonState(self.module, self.model_label)
                 with remat:
                     out = torch.func.functional_call(wrapped, weights, batch)
-                state.check()
-                self.unread = wrapped.reads.unread
+                return out, weights
+
+            def call(params: dict, consts: dict, *batch: torch.Tensor) -> Any:
+                before = {n: runtime.interop.jax_view(v) for n, v in consts.items()}
+                # torchax's key for the forward's draws (its env's public `param`): a second
+                # trace draws as the first.
+                key = self.env.param.prng
+                state = PythonState(self.module, self.model_label)
+                out, weights = traced(params, consts, batch)
+                if state.changed():
+                    # Python state written in forward (transformers' Swin settles its
+                    # shift_size on the first call): traced again as it settled, and refused
+                    # only if that second forward changes it again (a counter).
+                    self.env.param.prng = key
+                    fresh = {n: runtime.interop.torch_view(a) for n, a in before.items()}
+                    state = PythonState(self.module, self.model_label)
+                    out, weights = traced(params, fresh, batch)
+                    state.check()
+                self.unread = cast(ParameterReads, wrapped.reads).unread
                 # torchax writes in place by giving the tensor a new array
                 written = {
                     n: weights[f"model.{n}"]
