@@ -142,7 +142,8 @@ def test_nested_micro_batches_reach_the_loss_as_the_loader_gave_them(backend):
     `step` takes on the whole batch with accum=2."""
     g = torch.Generator().manual_seed(7)
     labels = torch.randint(0, 3, (8,), generator=g)
-    batch = (torch.randn(8, 6, generator=g), {"scale": torch.rand(8, generator=g), "labels": labels})
+    extra = {"scale": torch.rand(8, generator=g), "labels": labels}
+    batch = (torch.randn(8, 6, generator=g), extra)
     halves = [(batch[0][i : i + 4], {k: v[i : i + 4] for k, v in batch[1].items()}) for i in (0, 4)]
     results = []
     for split in (False, True):
