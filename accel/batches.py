@@ -5,7 +5,8 @@ The backends see a batch's tensors alone, in order (its leaves); the user's loss
 functions get it back in its own structure. Each tensor is split along its first axis, as a
 tuple's are; anything else in a batch (a string, a number) is refused in one line naming where
 it is. torch's and jax's pytree utilities would do the same, but torch's is private and jax's
-would make the library need jax on every backend.
+would make the library need jax on every backend. A call of the model (`engine.model(...)`) is
+a ModelCall: its tensors, and its other arguments (flags, None) kept as they are.
 
     >>> import torch
     >>> from accel.batches import flatten
@@ -20,6 +21,8 @@ import functools
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from accel.config import AccelError
 
@@ -167,6 +170,63 @@ class BatchTrees:
         seen: list[Tree] = []
         for leaves in to_device(_same_tree(batches, seen, "engine.loader's batch")):
             yield leaves if seen[0].flat else seen[0].unflatten(leaves)
+
+
+@dataclass(frozen=True)
+class ModelCall:
+    """A call of the model (`engine.model(x)`, `engine.model(pixel_values=x)`): its tensors in
+    order, which a backend moves or traces, and the rest (flags, None) kept as given. `key`
+    names the call's structure and other values: one compiled forward per key.
+
+        >>> import torch
+        >>> call = ModelCall.of((torch.ones(2),), {"mask": None, "labels": torch.zeros(2)})
+        >>> len(call.tensors), call.rebuild([torch.ones(2), torch.ones(2)])[1]["labels"]
+        (2, tensor([1., 1.]))
+    """
+
+    tensors: tuple[torch.Tensor, ...]
+    template: tuple[tuple, dict]
+    key: str
+
+    @staticmethod
+    def of(args: tuple, kwargs: dict) -> ModelCall:
+        tensors: list[torch.Tensor] = []
+        template = _holes((tuple(args), dict(kwargs)), tensors)
+        return ModelCall(tuple(tensors), template, repr(template))
+
+    def rebuild(self, tensors: Sequence[Any]) -> tuple[tuple, dict]:
+        """(args, kwargs) with `tensors` in place of the call's own, in order."""
+        return _filled(self.template, iter(tensors))
+
+
+class _Hole:
+    """Where a call's tensor sat."""
+
+    def __repr__(self) -> str:
+        return "tensor"
+
+
+def _holes(value: Any, tensors: list[torch.Tensor]) -> Any:
+    if isinstance(value, torch.Tensor):
+        tensors.append(value)
+        return _Hole()
+    if isinstance(value, dict):
+        return type(value)((k, _holes(v, tensors)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        items = [_holes(v, tensors) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
+
+
+def _filled(value: Any, tensors: Iterator[Any]) -> Any:
+    if isinstance(value, _Hole):
+        return next(tensors)
+    if isinstance(value, dict):
+        return type(value)((k, _filled(v, tensors)) for k, v in value.items())
+    if isinstance(value, list | tuple):
+        items = [_filled(v, tensors) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value
 
 
 def reads_tuples(fn: Callable) -> bool:

@@ -3,6 +3,8 @@ its own (TrainedOnRead), and the trained model as a callable for an evaluation l
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import weakref
 from collections.abc import Callable
 from typing import Any, Protocol
@@ -10,6 +12,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from accel.batches import ModelCall
 from accel.loop import user_errors
 
 
@@ -60,19 +63,20 @@ class EvalModel:
 
     def __init__(
         self,
-        forward: Callable[[tuple], Any],
+        forward: Callable[[ModelCall], Any],
         state_dict: Callable[[], dict[str, torch.Tensor]],
         engine: object,
     ):
         self.forward, self.trained_state, self.engine = forward, state_dict, engine
 
-    def __call__(self, *inputs: Any) -> Any:
-        first = inputs[0] if inputs else None
-        device = first.device if isinstance(first, torch.Tensor) else torch.device("cpu")
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        call = ModelCall.of(args, kwargs)
+        first = call.tensors[0] if call.tensors else None
+        device = first.device if first is not None else torch.device("cpu")
         if device.type not in ("cpu", "cuda", "xla"):
             device = torch.device("cpu")  # jax's views: their values come back to the host
         with user_errors("forward"):
-            out = self.forward(inputs)
+            out = self.forward(call)
         return on_device(out, device)
 
     def eval(self) -> EvalModel:
@@ -86,11 +90,20 @@ class EvalModel:
 
 
 def on_device(out: Any, device: torch.device) -> Any:
-    """A model's output (a tensor, or tuples, lists and dicts of them) on `device`."""
+    """A model's output (a tensor, or tuples, lists, dicts and dataclasses of them) on
+    `device`, each in its own class: a transformers ModelOutput keeps `.logits`, a namedtuple
+    its fields."""
     if isinstance(out, torch.Tensor):
         return out.to(device)
+    if isinstance(out, dict):  # before dataclasses: a ModelOutput is both
+        moved = copy.copy(out)  # its class, its attributes (ModelOutput's mirror its keys)
+        for key, value in out.items():
+            moved[key] = on_device(value, device)
+        return moved
     if isinstance(out, tuple | list):
-        return type(out)(on_device(o, device) for o in out)
-    if isinstance(out, dict):
-        return {k: on_device(v, device) for k, v in out.items()}
+        items = [on_device(o, device) for o in out]
+        return type(out)(*items) if hasattr(out, "_fields") else type(out)(items)
+    if dataclasses.is_dataclass(out) and not isinstance(out, type):
+        fields = [f.name for f in dataclasses.fields(out) if f.init]
+        return dataclasses.replace(out, **{f: on_device(getattr(out, f), device) for f in fields})
     return out

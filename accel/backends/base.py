@@ -21,6 +21,7 @@ import torch
 
 from accel.amp import amp_policy
 from accel.backends.host_reads import user_frame
+from accel.batches import ModelCall
 from accel.config import AMP_LEVELS, BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
@@ -289,9 +290,9 @@ class Backend(Protocol):
     def split(self, batch: tuple, parts: int) -> list[Any]:
         """A batch (from `device_batches`, or host tensors) as `parts` micro-batches."""
 
-    def forward(self, inputs: tuple) -> Any:
-        """The model in eval mode on `inputs`, without gradients (engine.model): torch tensors
-        on the backend's device (jax: on the host)."""
+    def forward(self, call: ModelCall) -> Any:
+        """The model in eval mode on `call`'s arguments, without gradients (engine.model):
+        torch tensors on the backend's device (jax: on the host)."""
 
     def fetch_results(self, handles: list[Any]) -> list[StepResult]:
         """Host values of step handles, averaged over ranks: one sync for the whole group."""

@@ -161,3 +161,23 @@ def test_nested_micro_batches_reach_the_loss_as_the_loader_gave_them(backend):
     assert split_loss == pytest.approx(loss, rel=1e-6)
     for name, value in weights.items():
         torch.testing.assert_close(split_weights[name], value, rtol=1e-6, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_engine_model_is_called_as_the_model_and_returns_its_output_class(backend):
+    """`engine.model(pixel_values=x, output_hidden_states=True)`, as a transformers script
+    evaluates: keywords and flags reach the model, and its ModelOutput comes back with
+    `.logits` and `.hidden_states`, eager's values on every backend."""
+    model = transformers_model("vit")
+    images = hf_batches("vit", (4,))[0]["pixel_values"]
+    with torch.no_grad():
+        want = model.eval()(pixel_values=images, output_hidden_states=True)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    engine = accel.prepare(model, optimizer, hf_loss, backend=backend, quiet=True)
+    out = engine.model(pixel_values=images, output_hidden_states=True)
+    assert type(out) is type(want) and out.logits.device == images.device
+    torch.testing.assert_close(out.logits, want.logits, rtol=1e-4, atol=1e-5)
+    assert len(out.hidden_states) == len(want.hidden_states) == 3
+    torch.testing.assert_close(out.hidden_states[-1], want.hidden_states[-1], rtol=1e-4, atol=1e-5)
+    assert type(engine.model(images)) is type(want)  # by position too

@@ -32,6 +32,7 @@ from accel.backends.jax.torchax_compat import removed_ops
 from accel.backends.jax.tracing import Tracer, torch_sdpa
 from accel.backends.jax.values import Precision
 from accel.backends.quiet import quiet_imports
+from accel.batches import ModelCall
 from accel.config import BackendConfig, ConfigError
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
@@ -119,8 +120,8 @@ class JaxBackend(BackendBase):
     ) -> dict[str, float]:
         return self.evaluation.sums(batches, metric_fn, ema)
 
-    def forward(self, inputs: tuple) -> Any:
-        return self.evaluation.forward(inputs)
+    def forward(self, call: ModelCall) -> Any:
+        return self.evaluation.forward(call)
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.state.checkpoint_state()

@@ -23,6 +23,7 @@ from accel.backends.jax.step import make_train_step
 from accel.backends.jax.tracing import Tracer
 from accel.backends.jax.values import host_value, to_torch
 from accel.backends.jax.window_attention import TRITON_CALLS
+from accel.batches import ModelCall
 from accel.config import BackendConfig
 
 DONATED = (0, 1, 2, 3, 4)  # the step's weights, optimizer state, EMA, count and constants
@@ -262,17 +263,22 @@ class Evaluation:
                 totals = batch_sums if totals is None else jax.tree.map(jnp.add, totals, batch_sums)
         return {k: float(host_value(v)) for k, v in sorted((totals or {}).items())}
 
-    def forward(self, inputs: tuple) -> Any:
-        """The model in eval mode on `inputs` (host or device tensors), without gradients; its
-        output as host torch tensors."""
-        fn = self.programs.get("forward")
+    def forward(self, call: ModelCall) -> Any:
+        """The model in eval mode on `call`'s arguments (host or device tensors), without
+        gradients; its output as host torch tensors, in the model's own classes. One program
+        per call's structure (its keywords, its flags)."""
+        fn = self.programs.get(("forward", call.key))
         if fn is None:
             tracer = self.tracer
-            forward = lambda model, x: as_pytree(model(*x))  # noqa: E731
+
+            def forward(model: torch.nn.Module, tensors: tuple) -> Any:
+                args, kwargs = call.rebuild(tensors)
+                return as_pytree(model(*args, **kwargs))
+
             fn = jax.jit(lambda p, c, *b: tracer.run_torch(forward, p, c, b)[0])
-            self.programs["forward"] = fn
+            self.programs[("forward", call.key)] = fn
         with self.tracer.tracing():
-            out = fn(self.state.params, self.state.buffers, *self.runtime.arrays(inputs))
+            out = fn(self.state.params, self.state.buffers, *self.runtime.arrays(call.tensors))
         return jax.tree.map(to_torch, out)
 
 

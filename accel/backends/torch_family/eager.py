@@ -31,6 +31,7 @@ from accel.backends.torch_family.layout import Layout
 from accel.backends.torch_family.split import SplitLayout
 from accel.backends.torch_family.step_random import StepRandom
 from accel.backends.torch_family.whole import WholeLayout
+from accel.batches import ModelCall
 from accel.config import SHARD_MODES, BackendConfig
 from accel.distributed import DistContext, broadcast_bytes, env_context
 from accel.optim import OptimizerSpec
@@ -211,12 +212,13 @@ class EagerBackend(BackendBase):
         return StepResult.from_rows(rows, self.core.extra_keys)
 
     @torch.no_grad()
-    def forward(self, inputs: tuple) -> Any:
+    def forward(self, call: ModelCall) -> Any:
         module = self.layout.inference()
+        args, kwargs = call.rebuild([t.to(self.device) for t in call.tensors])
         with modes_kept(module):
             module.eval()
             with self.core.autocast(cache=self.layout.autocast_cache):
-                return module(*(t.to(self.device) for t in inputs))
+                return module(*args, **kwargs)
 
     def evaluate_sums(
         self, batches: Iterable[Batch], metric_fn: MetricFn, ema: bool = False

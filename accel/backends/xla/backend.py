@@ -30,6 +30,7 @@ from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.layout import XlaLayout
 from accel.backends.xla.optimizer import XlaOptimizer
 from accel.backends.xla.step import XlaStep
+from accel.batches import ModelCall
 from accel.config import BackendConfig
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
@@ -116,8 +117,8 @@ class XlaBackend(BackendBase):
     ) -> dict[str, float]:
         return self.step.evaluate_sums(batches, metric_fn, ema)
 
-    def forward(self, inputs: tuple) -> Any:
-        return self.step.forward(inputs)
+    def forward(self, call: ModelCall) -> Any:
+        return self.step.forward(call)
 
     def checkpoint_state(self) -> dict[str, Any]:
         return self.layout.checkpoint_state()

@@ -20,6 +20,7 @@ from accel.backends.xla.batches import XlaBatches
 from accel.backends.xla.compiles import XlaCompiles
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.layout import XlaLayout
+from accel.batches import ModelCall
 from accel.config import BackendConfig, ConfigError
 
 
@@ -114,9 +115,11 @@ class XlaStep:
         return dict(zip(keys, sums.cpu().tolist(), strict=True))
 
     @torch.no_grad()
-    def forward(self, inputs: tuple) -> Any:
+    def forward(self, call: ModelCall) -> Any:
         module = self.layout.module
+        sent = self.batches.on_device(call.tensors) if call.tensors else ()
+        args, kwargs = call.rebuild(sent)
         with modes_kept(module), no_fast_paths():
             module.eval()
             with self.autocast():
-                return self.layout.forward_module(*self.batches.on_device(tuple(inputs)))
+                return self.layout.forward_module(*args, **kwargs)
