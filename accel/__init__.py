@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from accel.api import choose_backend, engine_of, prepare
     from accel.backends.base import BackendUnavailable, RecompileError
     from accel.engine import AccelError, Engine, StepResult
+    from accel.processes import is_local_main_process, is_main_process, skip_first_batches
     from accel.settings import Settled, settle, with_keywords
 
 __all__ = [
@@ -26,8 +27,11 @@ __all__ = [
     "StepResult",
     "choose_backend",
     "engine_of",
+    "is_local_main_process",
+    "is_main_process",
     "prepare",
     "settle",
+    "skip_first_batches",
     "with_keywords",
 ]
 HOMES = {
@@ -39,6 +43,9 @@ HOMES = {
     "Settled": "accel.settings",
     "settle": "accel.settings",
     "with_keywords": "accel.settings",
+    "is_main_process": "accel.processes",
+    "is_local_main_process": "accel.processes",
+    "skip_first_batches": "accel.processes",
 }  # the rest: accel.engine
 
 

@@ -55,11 +55,12 @@ from accel.loop import (
 )
 from accel.optim import LearningRates
 from accel.parallel.fsdp import full_value
+from accel.processes import ProcessCalls
 from accel.script_changes import ScriptChanges
 from accel.user_model import EvalModel
 
 
-class Engine:
+class Engine(ProcessCalls):
     """A model, optimizer and loss on one backend, made by `accel.prepare`: steps, fetches,
     evaluation and checkpoints, the same calls on every backend.
 

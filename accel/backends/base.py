@@ -328,6 +328,10 @@ class Backend(Protocol):
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Rank 0's `data` on every rank (a collective: every rank calls it)."""
 
+    def gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's `tensor` (the same shape and dtype on each), in process order, on
+        the host ([tensor] alone); a collective."""
+
     def synchronize(self) -> None:
         """Wait for queued device work (for timing)."""
 

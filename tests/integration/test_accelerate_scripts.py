@@ -3,12 +3,14 @@ came from: accumulation groups cut short at an epoch's end weigh as the plain lo
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch import nn
 
 import accel
-from tests.helpers import INSTALLED
+from tests.helpers import INSTALLED, script_ranks
 
 ACCUM = 5
 
@@ -181,3 +183,52 @@ def test_engine_model_is_called_as_the_model_and_returns_its_output_class(backen
     assert len(out.hidden_states) == len(want.hidden_states) == 3
     torch.testing.assert_close(out.hidden_states[-1], want.hidden_states[-1], rtol=1e-4, atol=1e-5)
     assert type(engine.model(images)) is type(want)  # by position too
+
+
+def test_the_process_helpers_on_two_processes(tmp_path):
+    """Two processes (gloo), as torchrun starts them: the main one known before prepare, its
+    block run first, and each sample's index gathered once, in the dataset's order, though
+    the DistributedSampler padded the last batch (11 samples over 2 replicas)."""
+    script_ranks(2, "tests.api_processes", str(tmp_path), logs=tmp_path / "logs")
+    result = json.loads((tmp_path / "result.json").read_text())
+    assert result["main_before_prepare"] is True
+    assert result["order"] == ["0", "1"]
+    assert result["indices"] == list(range(11))
+
+
+@pytest.mark.parametrize("backend", INSTALLED)
+def test_the_process_helpers_in_one_process(backend, monkeypatch):
+    model = mlp()
+    engine = accel.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn,
+                           backend=backend, quiet=True)  # fmt: skip
+    ran = []
+    with engine.main_process_first():
+        ran.append(engine.is_main)
+    engine.wait_for_everyone()
+    values = torch.arange(6.0)
+    assert ran == [True] and torch.equal(engine.gather_for_metrics(values), values)
+    monkeypatch.setenv("RANK", "1")
+    assert not accel.is_main_process()
+
+
+def test_skip_first_batches_loads_none_of_them_and_keeps_the_epochs_order():
+    """A resumed epoch's loader: the batches after the first 3, in the order the seeded
+    epoch deals them, none of the skipped ones loaded."""
+    loaded = []
+
+    class Recorded(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 20
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            loaded.append(i)
+            return torch.tensor(i)
+
+    sampler = torch.utils.data.DistributedSampler(Recorded(), num_replicas=1, rank=0, seed=4)
+    sampler.set_epoch(2)
+    loader = torch.utils.data.DataLoader(Recorded(), batch_size=4, sampler=sampler)
+    whole = [b.tolist() for b in loader]
+    loaded.clear()
+    rest = [b.tolist() for b in accel.skip_first_batches(loader, 3)]
+    assert rest == whole[3:]
+    assert sorted(loaded) == sorted(i for b in whole[3:] for i in b)

@@ -109,6 +109,9 @@ class JaxBackend(BackendBase):
     def broadcast_bytes(self, data: bytes) -> bytes:
         return self.runtime.broadcast_bytes(data)
 
+    def gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.runtime.gather_host(tensor)
+
     def fetch_results(self, handles: list[jax.Array]) -> list[StepResult]:
         return self.step.fetch_results(handles)
 

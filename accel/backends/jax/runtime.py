@@ -207,6 +207,15 @@ class Runtime:
 
         return bool(np.any(multihost_utils.process_allgather(np.asarray(flag))))
 
+    def gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's host tensor, in process order."""
+        if jax.process_count() == 1:
+            return [tensor.cpu()]
+        from jax.experimental import multihost_utils
+
+        rows = multihost_utils.process_allgather(tensor.cpu().numpy(), tiled=False)
+        return [torch.from_numpy(np.array(row)) for row in rows]
+
     def broadcast_bytes(self, data: bytes) -> bytes:
         """Process 0's bytes on every process: its length, then its bytes (JAX's
         broadcast_one_to_all takes arrays of one shape everywhere)."""

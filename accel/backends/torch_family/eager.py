@@ -33,7 +33,7 @@ from accel.backends.torch_family.step_random import StepRandom
 from accel.backends.torch_family.whole import WholeLayout
 from accel.batches import ModelCall
 from accel.config import SHARD_MODES, BackendConfig
-from accel.distributed import DistContext, broadcast_bytes, env_context
+from accel.distributed import DistContext, broadcast_bytes, collective_device, env_context
 from accel.optim import OptimizerSpec
 from accel.parallel.mesh import ParallelDims
 
@@ -261,6 +261,14 @@ class EagerBackend(BackendBase):
 
     def broadcast_bytes(self, data: bytes) -> bytes:
         return broadcast_bytes(data)
+
+    def gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        if not dist.is_initialized():
+            return [tensor.cpu()]
+        device = collective_device()
+        parts = [torch.empty_like(tensor, device=device) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, tensor.to(device))
+        return [p.cpu() for p in parts]
 
     def synchronize(self) -> None:
         if self.device.type == "cuda":

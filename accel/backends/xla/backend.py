@@ -138,6 +138,9 @@ class XlaBackend(BackendBase):
     def broadcast_bytes(self, data: bytes) -> bytes:
         return self.devices.broadcast_bytes(data)
 
+    def gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        return self.devices.gather_host(tensor)
+
     def synchronize(self) -> None:
         self.devices.synchronize()
 

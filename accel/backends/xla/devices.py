@@ -107,6 +107,16 @@ class XlaDevices:
         total = cast(torch.Tensor, xm.all_reduce(xm.REDUCE_SUM, mine.to(self.device)))
         return bytes(total.cpu().to(torch.uint8).tolist())
 
+    def gather_host(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every process's tensor: each writes its own row of zeros and the rows are summed
+        (xm's collectives between processes reduce)."""
+        if not self.ctx.distributed:
+            return [tensor.cpu()]
+        rows = torch.zeros((self.ctx.world_size, *tensor.shape), dtype=tensor.dtype)
+        rows[self.ctx.rank] = tensor.cpu()
+        total = cast(torch.Tensor, xm.all_reduce(xm.REDUCE_SUM, rows.to(self.device)))
+        return list(total.cpu().unbind(0))
+
     # --- the random generator -------------------------------------------------------------------
     def seed(self, seed: int) -> None:
         """The step's draws (dropout, stochastic depth): XLA's generator, seeded as every
