@@ -76,6 +76,11 @@ class HasProcesses(Protocol):
 class ProcessCalls:
     """The Engine's calls on its processes, Accelerate's by their names."""
 
+    def print(self: HasProcesses, *args: Any, **kwargs: Any) -> None:
+        """print(), on the main process only (Accelerate's `accelerator.print`)."""
+        if self.is_main:
+            print(*args, **kwargs)
+
     def wait_for_everyone(self: HasProcesses) -> None:
         """Returns once every process has called it (Accelerate's `wait_for_everyone`)."""
         self.runner.any_rank(False)
@@ -92,24 +97,43 @@ class ProcessCalls:
             if self.is_main:
                 self.runner.any_rank(False)
 
-    def gather_for_metrics(
-        self: HasProcesses, tensor: torch.Tensor, loader: Any = None
-    ) -> torch.Tensor:
-        """`tensor` (predictions, labels: a batch's rows) from every data replica, in the
-        order of the dataset as `loader`'s DistributedSampler dealt it, on `tensor`'s device.
-        With `loader`, the rows its sampler repeated to even out the replicas are dropped
-        (Accelerate's `gather_for_metrics`); call it for each batch of the epoch, in order.
-        One process: `tensor` itself. A collective: every process calls it."""
-        gathered = self.runner.gather_host(tensor.detach())
-        if len(gathered) > self.data_ranks:
-            raise AccelError(
-                "gather_for_metrics gathers over data replicas: with tensor or pipeline "
-                "parallel ranks, sum your metrics with engine.evaluate instead"
-            )
-        # Row i of replica r is the sampler's position i*replicas + r: interleaved, the rows
-        # come in the sampler's order.
-        rows = torch.stack(gathered, dim=1).flatten(0, 1).to(tensor.device)
-        return _PaddingDrop.of(self, loader).keep(rows)
+    def gather_for_metrics(self: HasProcesses, values: Any, loader: Any = None) -> Any:
+        """`values` (a tensor of a batch's rows, or a tuple, list or dict of them: predictions
+        and labels) from every data replica, in the order of the dataset as `loader`'s
+        DistributedSampler dealt it, on each tensor's device. With `loader`, the rows its
+        sampler repeated to even out the replicas are dropped (Accelerate's
+        `gather_for_metrics`): call it once for each batch of the epoch, in order. One
+        process: `values` themselves. A collective: every process calls it."""
+        epoch = _PaddingDrop.of(self, loader)
+        rows = None
+
+        def gathered(tensor: torch.Tensor) -> torch.Tensor:
+            nonlocal rows
+            parts = self.runner.gather_host(tensor.detach())
+            if len(parts) > self.data_ranks:
+                raise AccelError(
+                    "gather_for_metrics gathers over data replicas: with tensor or pipeline "
+                    "parallel ranks, sum your metrics with engine.evaluate instead"
+                )
+            rows = len(parts) * len(tensor)
+            # Row i of replica r is the sampler's position i*replicas + r: interleaved, the
+            # rows come in the sampler's order.
+            whole = torch.stack(parts, dim=1).flatten(0, 1).to(tensor.device)
+            return whole[: epoch.kept(rows)]
+
+        out = _each_tensor(values, gathered)
+        epoch.advance(rows or 0)
+        return out
+
+
+def _each_tensor(value: Any, fn: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: _each_tensor(v, fn) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_each_tensor(v, fn) for v in value)
+    raise AccelError(f"gather_for_metrics takes tensors (in tuples, lists, dicts), got {value!r}")
 
 
 class _PaddingDrop:
@@ -130,11 +154,13 @@ class _PaddingDrop:
         dataset = min(len(sampler.dataset), sampler.total_size)  # type: ignore[arg-type]
         return epochs.setdefault(id(loader), _PaddingDrop(dataset, sampler.total_size))
 
-    def keep(self, rows: torch.Tensor) -> torch.Tensor:
+    def kept(self, rows: int) -> int:
+        """Of this batch's `rows` (every replica's), how many the dataset holds."""
+        return rows if self.total < 0 else max(0, min(rows, self.total - self.seen))
+
+    def advance(self, rows: int) -> None:
         if self.total < 0:
-            return rows
-        start = self.seen
-        self.seen += len(rows)
+            return
+        self.seen += rows
         if self.seen >= self.dealt:  # the epoch's last batch: the next call starts a new one
             self.seen = 0
-        return rows[: max(0, self.total - start)]

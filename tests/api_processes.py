@@ -42,7 +42,7 @@ def main() -> None:
     for _epoch in range(2):  # the second epoch starts afresh
         indices = []
         for _, index in loader:
-            indices.append(engine.gather_for_metrics(index, loader))
+            indices.append(engine.gather_for_metrics((index,), loader)[0])
     if engine.is_main:
         result = {
             "main_before_prepare": main_before_prepare,

@@ -176,7 +176,11 @@ class Runtime:
     def stacked(self, micro_batches: list[tuple]) -> tuple:
         """Micro-batches as one array a tensor, [micro-steps, batch, ...], split over the data
         devices along the batch: host ones stacked on the host and sent once, each device
-        receiving its rows of every micro-step; batches on the devices stacked there."""
+        receiving its rows of every micro-step; batches on the devices stacked there. Micro-
+        batches of different sizes (a ragged last one) stay a tuple of batches."""
+        shapes = {tuple(tuple(t.shape) for t in b) for b in micro_batches}
+        if len(shapes) > 1:  # a ragged group (an epoch's last micro-batch): each as it is
+            return tuple(self.arrays(b) for b in micro_batches)
         if all(self.on_host(b) for b in micro_batches):
             parts = zip(*micro_batches, strict=True)
             return self.put(tuple(torch.stack(p) for p in parts), self.micro_sharding)

@@ -93,6 +93,8 @@ def make_train_step(
             loss, grads = jax.tree.map(jnp.add, (loss_sum, grads_sum), (loss, grads))
             return (loss, constrain(grads), {**consts, **written}), extras  # extras stacked
 
+        if ragged(batch):  # micro-batches of different sizes: each traced on its own
+            return ragged_grads(params, consts, batch, key, constrain)
         steps = batch[0].shape[0]
         divisor = group_divisor(steps, accum)  # a short group weighs steps/accum
         if steps == 1:  # no accumulation: the one micro-step as it is, no loop around it
@@ -107,6 +109,22 @@ def make_train_step(
         (loss, grads, consts), extras = jax.lax.scan(micro_step, (*zeros, consts), micro)
         grads = jax.tree.map(lambda g: g / divisor, grads)
         return loss / steps, extras.mean(axis=0), grads, consts
+
+    def ragged_grads(params, consts, batch, key, constrain):
+        """mean_grads for a tuple of micro-batches whose sizes differ (the epoch's last one
+        ragged): a micro-step each, in order, unrolled."""
+        divisor = group_divisor(len(batch), accum)
+        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+        losses, grads_sum, extras_all = [], None, []
+        for index, part in enumerate(batch):
+            key_i = jax.random.fold_in(key, index)
+            (loss, (extras, written)), grads = value_and_grad(params, consts, part, key_i)
+            grads_sum = grads if grads_sum is None else jax.tree.map(jnp.add, grads_sum, grads)
+            consts = {**consts, **written}
+            losses.append(loss)
+            extras_all.append(extras)
+        grads = constrain(jax.tree.map(lambda g: g / divisor, grads_sum))
+        return jnp.mean(jnp.stack(losses)), jnp.stack(extras_all).mean(axis=0), grads, consts
 
     def local_grads(params, consts, batch, count):
         # Random draws differ per step, device and micro-step, and follow from the seed and the
@@ -128,7 +146,8 @@ def make_train_step(
         # device's part, and the partitioner adds the collectives. A shard_map would gather
         # every weight whole onto each device. No device index here: the draws follow from the
         # count and micro-step.
-        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, P(None, data)))
+        spec = P(data) if ragged(batch) else P(None, data)
+        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, spec))
         if weight_shardings is not None:
             # FSDP's order: weights split over the data axis are gathered for the forward and their
             # gradients reduce-scattered back, each device keeping its part of the batch; left
@@ -155,18 +174,21 @@ def make_train_step(
         s.is_fully_replicated for s in jax.tree.leaves(grad_shardings)
     )
     rep = P()
+
+    def replica_grads(params, consts, batch, count):
+        # every array of the batch split along its batch axis (the second, after micro-steps)
+        spec = P(data) if ragged(batch) else P(None, data)
+        return jax.shard_map(
+            local_grads, mesh=mesh, check_vma=False,
+            in_specs=(rep, rep, spec, rep), out_specs=(rep, rep, rep, rep),
+        )(params, consts, batch, count)  # fmt: skip
+
     grads_fn = (
         partitioned_grads
         if Axis.TENSOR in mesh.axis_names
         else one_device_grads
         if mesh.size == 1
-        else jax.shard_map(
-            local_grads,
-            mesh=mesh,
-            check_vma=False,
-            in_specs=(rep, rep, P(None, data), rep),  # every array of the batch split
-            out_specs=(rep, rep, rep, rep),
-        )
+        else replica_grads
     )
 
     def step(params, opt_state, ema, count, consts, batch, rates, ema_decay):
@@ -197,6 +219,12 @@ def make_train_step(
         return params, opt_state, ema, count, consts, jnp.concatenate([head, extras])
 
     return step
+
+
+def ragged(batch: tuple) -> bool:
+    """Whether a step's batch is a tuple of micro-batches (of different sizes) rather than
+    arrays stacked [micro-steps, batch, ...]."""
+    return bool(batch) and isinstance(batch[0], tuple)
 
 
 def keep_named(names: Collection[str], new: Any, old: Any) -> Any:
