@@ -197,18 +197,14 @@ class Engine(ProcessCalls):
     def step_micro_batches(self, micro_batches: list[Any]) -> Any:
         """One optimizer step over `accum` device batches from `loader` (split for gradient
         accumulation), each as the loader gave it (a tuple, a dict...); a handle, as `step`.
-        A group of k < `accum` weighs k/accum of a whole one, as the plain loop's."""
+        A group of k < `accum` weighs k/accum of a whole one, as the plain loop's. An op the
+        backend cannot lower: BackendUnavailable (the command line's loop reads it)."""
         if not micro_batches:
             raise AccelError("engine.step_micro_batches() got no micro-batch")
-        leaves = [self.trees.step_batch((batch,)) for batch in micro_batches]
-        try:
-            return self.step_leaves(leaves)
-        except BackendUnavailable as err:
-            raise AccelError(str(err)) from None
+        return self.step_leaves([self.trees.step_batch((batch,)) for batch in micro_batches])
 
     def step_leaves(self, micro_batches: list[tuple]) -> Any:
-        """The step over micro-batches given as their tensors. An op the backend cannot lower:
-        BackendUnavailable."""
+        """The step over micro-batches given as their tensors."""
         if self.script:  # weights frozen or groups added since the last step: followed, or one line
             self.script.before_step(self.runner)
         done = self.state.step

@@ -137,3 +137,25 @@ def test_adamw_sits_as_near_a_float64_adamw_as_eager(backend):
     off = sum(float((weights[n].double() - exact[n]).norm() ** 2) for n in exact) ** 0.5
     assert moved > 1e-3  # the steps moved the weights: the ratio measures the update
     assert off / moved < 5e-5, off / moved
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_warm_up_from_a_rate_of_0_leaves_the_weights_finite_and_unchanged(backend):
+    """A warm-up's first step at lr 0 (transformers' linear warm-up starts there) over a weight
+    whose gradient is 0 (its input column is 0): on xla torch's capturable AdamW divided 0 by
+    0 there, and every later step trained NaNs."""
+    model = mlp()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(step, 1.0))
+    engine = accel.prepare(model, optimizer, loss_fn, backend=backend, quiet=True)
+    start = mlp().state_dict()
+    losses = []
+    for inputs, labels in batches()[:3]:
+        inputs[:, 0] = 0.0  # the first layer's first input column: a gradient of 0
+        losses.append(engine.fetch([engine.step(inputs, labels)])[0].loss)
+        scheduler.step()
+        if len(losses) == 1:
+            first = engine.state_dict()
+            assert all(torch.equal(first[n], start[n]) for n in start), "lr 0 moved a weight"
+    weights = engine.state_dict()
+    assert all(torch.isfinite(w).all() for w in weights.values()) and losses[2] != losses[1]
