@@ -21,7 +21,14 @@ from accel.backends.as_eager import modes_kept
 from accel.backends.base import group_divisor, split_loss
 from accel.backends.torch_family.first_state import StateInit, init_optimizer_state
 
-TINY = 1e-30  # a rate of 0 as capturable Adam can take it (no subnormal in its denominator)
+
+def capturable_rate(rate: float) -> float:
+    """A rate as torch's capturable Adam can take it. It folds the rate into its denominator
+    (sqrt(v) / (c * lr) + eps / lr): at 0 (a warm-up's first step) a weight whose gradient is 0
+    gets 0/0, a NaN, silently (the guard reads the gradients). 1e-30 instead (no subnormal in
+    that denominator, which XLA may flush to 0) moves no weight by anything float32 holds."""
+    return max(float(rate), 1e-30) if float(rate) >= 0 else float(rate)
+
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
@@ -148,13 +155,7 @@ class TorchCore:
         for i, (group, rate) in enumerate(zip(groups, rates, strict=True)):
             values = {"lr": rate, **(followed[group.get("spec_group", i)] if followed else {})}
             if self.device_values and group.get("capturable"):
-                # torch's capturable Adam folds the rate into its denominator (sqrt(v) / (c *
-                # lr) + eps / lr): at a rate of 0 (a warm-up's first step) a weight whose
-                # gradient is 0 gets 0/0, a NaN, silently (the guard reads the gradients).
-                # 1e-30 instead (no subnormal in that denominator, which XLA may flush to 0)
-                # moves no weight by anything float32 holds.
-                rate = max(float(rate), TINY) if float(rate) >= 0 else float(rate)
-                values["lr"] = torch.tensor(rate, device=self.device)
+                values["lr"] = torch.tensor(capturable_rate(rate), device=self.device)
                 built = group.setdefault("built_betas", group.get("betas"))  # (Adam's: RMSprop
                 if values.get("betas", built) != built:  # has none) scheduled, from now on
                     group["scheduled_betas"] = True
