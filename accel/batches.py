@@ -206,27 +206,29 @@ class _Hole:
         return "tensor"
 
 
-def _holes(value: Any, tensors: list[torch.Tensor]) -> Any:
-    if isinstance(value, torch.Tensor):
-        tensors.append(value)
-        return _Hole()
+def map_leaves(value: Any, fn: Callable[[Any], Any], is_leaf: Callable[[Any], bool]) -> Any:
+    """`value` with `fn(leaf)` in place of each leaf, in order, through dicts, lists, tuples and
+    namedtuples, each kept in its class; anything else that is not a leaf kept as it is."""
+    if is_leaf(value):
+        return fn(value)
     if isinstance(value, dict):
-        return type(value)((k, _holes(v, tensors)) for k, v in value.items())
+        return type(value)((k, map_leaves(v, fn, is_leaf)) for k, v in value.items())
     if isinstance(value, list | tuple):
-        items = [_holes(v, tensors) for v in value]
+        items = [map_leaves(v, fn, is_leaf) for v in value]
         return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
     return value
+
+
+def _holes(value: Any, tensors: list[torch.Tensor]) -> Any:
+    def hole(tensor: torch.Tensor) -> _Hole:
+        tensors.append(tensor)
+        return _Hole()
+
+    return map_leaves(value, hole, lambda v: isinstance(v, torch.Tensor))
 
 
 def _filled(value: Any, tensors: Iterator[Any]) -> Any:
-    if isinstance(value, _Hole):
-        return next(tensors)
-    if isinstance(value, dict):
-        return type(value)((k, _filled(v, tensors)) for k, v in value.items())
-    if isinstance(value, list | tuple):
-        items = [_filled(v, tensors) for v in value]
-        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-    return value
+    return map_leaves(value, lambda _: next(tensors), lambda v: isinstance(v, _Hole))
 
 
 def reads_tuples(fn: Callable) -> bool:

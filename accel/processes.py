@@ -17,13 +17,14 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
 from accel.backends.base import Backend
+from accel.batches import map_leaves
 from accel.config import AccelError
 from accel.distributed import process_index
 
@@ -126,14 +127,15 @@ class ProcessCalls:
         return out
 
 
-def _each_tensor(value: Any, fn: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return fn(value)
-    if isinstance(value, dict):
-        return {k: _each_tensor(v, fn) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return type(value)(_each_tensor(v, fn) for v in value)
-    raise AccelError(f"gather_for_metrics takes tensors (in tuples, lists, dicts), got {value!r}")
+def _each_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    def tensor_only(leaf: Any) -> torch.Tensor:
+        if not isinstance(leaf, torch.Tensor):
+            raise AccelError(
+                f"gather_for_metrics takes tensors (in tuples, lists, dicts), got {leaf!r}"
+            )
+        return fn(leaf)
+
+    return map_leaves(value, tensor_only, lambda v: not isinstance(v, dict | list | tuple))
 
 
 class _PaddingDrop:
