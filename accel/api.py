@@ -149,14 +149,34 @@ def prepare(
         is given sets its field over it (`config=cfg, ema=0.999` is cfg with that EMA). Left
         unset, a keyword takes the config's value, whose defaults are those written above.
     """
-    if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
-        raise AccelError("prepare runs as the script is imported: call it under its main guard")
-    given, model = model, unwrapped(model)
     config = with_keywords(
         config, backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
         ema=ema, devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
         attention=attention, remat=remat,
     )  # fmt: skip
+    try:
+        return _engine_for(model, optimizer, loss_fn, config, schedule, quiet, init, state)
+    except (AccelError, BackendUnavailable) as err:
+        # Already one line that names the cause (a bad ACCEL_BACKEND, an untrainable model...):
+        # raised from here with none of the frames it came through inside accel, so that the
+        # script's traceback shows its own line and prepare's, as the step's errors do.
+        raise err.with_traceback(None) from None
+
+
+def _engine_for(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    loss_fn: LossFn,
+    config: BackendConfig,
+    schedule: Schedule,
+    quiet: bool,
+    init: ModelInit | None,
+    state: LoopPart | None,
+) -> Engine:
+    """prepare's work over its settled keywords."""
+    if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
+        raise AccelError("prepare runs as the script is imported: call it under its main guard")
+    given, model = model, unwrapped(model)
     try:  # checked once, here as on the command line; the backend runs here and every setting
         settled = settle(config)
     except BackendUnavailable as err:

@@ -108,7 +108,7 @@ def settle(config: BackendConfig, env: Mapping[str, str] | None = None) -> Settl
     name, why = resolve_backend(config.backend or None, env)
     mesh = config.mesh
     if not mesh.devices:
-        mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1, env))
+        mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1, env, least=1))
     if min(config.step.accum, mesh.devices, mesh.tp, mesh.tp_head, mesh.pp) < 1:
         raise AccelError("accum, devices, tp, tp_head and pp must be at least 1")
     if config.step.clip_grad < 0:
@@ -155,13 +155,14 @@ def check_ema(step: StepConfig) -> None:
 DEFAULT_EMA_DECAY = 0.9998  # timm's ModelEmaV3 default
 
 
-def env_int(name: str, default: int, env: Mapping[str, str] | None = None) -> int:
-    """The whole number in environment variable `name`, `default` where it is unset."""
+def env_int(name: str, default: int, env: Mapping[str, str] | None = None, least: int = 0) -> int:
+    """The whole number, at least `least`, in environment variable `name`; `default` where it
+    is unset."""
     raw = (os.environ if env is None else env).get(name, "").strip()
     if not raw:
         return default
-    if not raw.isdigit():
-        raise AccelError(f"{name} must be a whole number, got '{raw}'")
+    if not raw.isdigit() or int(raw) < least:
+        raise AccelError(f"{name} must be a whole number of at least {least}, got '{raw}'")
     return int(raw)
 
 

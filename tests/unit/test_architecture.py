@@ -232,7 +232,7 @@ def test_only_prepare_joins_the_process_to_its_peers():
         if _calls(rel) & JOINS and rel != "accel/distributed.py":
             callers.add(rel)
     assert callers == {"accel/api.py"}, callers
-    prepare = _function("accel/api.py", "prepare")
+    prepare = _prepare()
     called = {
         n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
         for n in ast.walk(prepare)
@@ -243,7 +243,7 @@ def test_only_prepare_joins_the_process_to_its_peers():
 
 def test_the_engine_is_complete_when_made():
     """prepare sets no field of the Engine after making it: the constructor takes them all."""
-    prepare = _function("accel/api.py", "prepare")
+    prepare = _prepare()
     stores = [
         n
         for n in ast.walk(prepare)
@@ -253,6 +253,14 @@ def test_the_engine_is_complete_when_made():
         and n.value.id == "engine"
     ]
     assert not stores, [ast.unparse(n) for n in stores]
+
+
+def _prepare() -> ast.Module:
+    """prepare and its body (_engine_for, the work prepare wraps so that its errors are raised
+    from prepare alone), as one tree."""
+    return ast.Module(
+        body=[_function("accel/api.py", n) for n in ("prepare", "_engine_for")], type_ignores=[]
+    )
 
 
 def _function(rel: str, name: str) -> ast.FunctionDef:

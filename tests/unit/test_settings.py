@@ -65,7 +65,9 @@ def test_accel_devices_settles_the_devices_of_a_config_as_of_the_keywords():
     assert settle(BackendConfig("eager", mesh=MeshConfig(devices=2)), env).config.mesh.devices == 2
     assert settle(with_keywords(None, devices=2), env).config.mesh.devices == 2
     assert settle(BackendConfig("eager"), {}).config.mesh.devices == 1
-    with pytest.raises(accel.AccelError, match="ACCEL_DEVICES must be a whole number"):
+    with pytest.raises(
+        accel.AccelError, match="ACCEL_DEVICES must be a whole number of at least 1"
+    ):
         settle(BackendConfig("eager"), {"ACCEL_DEVICES": "two"})
 
 
@@ -107,3 +109,69 @@ def test_an_ema_function_is_compared_between_ranks_by_name():
         "test_an_ema_function_is_compared_between_ranks_by_name.<locals>.decay"
     )
     assert described(0.5) == 0.5
+
+
+BAD_VARIABLES = [
+    (
+        {"ACCEL_BACKEND": "jaxx"},
+        "ACCEL_BACKEND must be one of eager, compile, xla, jax, got 'jaxx'",
+    ),
+    ({"USE_ACCEL": "banana"}, "USE_ACCEL must be 0, 1, true or false, got 'banana'"),
+    ({"ACCEL_DEVICES": "0"}, "ACCEL_DEVICES must be a whole number of at least 1, got '0'"),
+]
+
+
+@pytest.mark.parametrize(
+    ("env", "line"), BAD_VARIABLES, ids=["ACCEL_BACKEND", "USE_ACCEL", "ACCEL_DEVICES"]
+)
+def test_a_bad_variable_is_one_line_raised_from_prepare_alone(env, line, monkeypatch):
+    """The traceback a script sees holds its own call and prepare: none of accel's frames
+    below it (settle, the backend registry) that say nothing to the user."""
+    import traceback
+
+    for name in ("ACCEL_BACKEND", "USE_ACCEL", "ACCEL_DEVICES"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(accel.AccelError) as raised:
+        _engine()
+    frames = traceback.extract_tb(raised.value.__traceback__)
+    assert [f.name for f in frames][1:] == ["_engine", "prepare"], frames
+    assert str(raised.value) == line
+
+
+SCRIPT = """\
+import os, sys, traceback
+import torch, accel
+model = torch.nn.Linear(4, 2)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+for name, value in {cases}:
+    os.environ[name] = value
+    try:
+        engine = accel.prepare(model, optimizer, lambda m, b: m(b[0]).pow(2).mean())
+    except accel.AccelError:
+        print(traceback.format_exc(), file=sys.stderr, end="--\\n")
+    del os.environ[name]
+os.environ["ACCEL_BACKEND"] = "jaxx"
+engine = accel.prepare(model, optimizer, lambda m, b: m(b[0]).pow(2).mean())
+"""
+
+
+@pytest.mark.slow  # a script's process
+def test_a_script_shows_its_own_line_and_prepare_only_for_each_bad_variable(tmp_path):
+    """Each bad variable as a script's traceback shows it (caught and printed, then the last
+    one uncaught, as Python prints it): the script's line, prepare's, the one line."""
+    from tests.helpers import run_script
+
+    cases = [next(iter(env.items())) for env, _ in BAD_VARIABLES]
+    (tmp_path / "train.py").write_text(SCRIPT.format(cases=cases))
+    result = run_script("train.py", cwd=tmp_path, timeout=120)
+    assert result.returncode == 1
+    shown = result.stderr.split("--\n")
+    assert len(shown) == len(BAD_VARIABLES) + 1, result.stderr
+    lines = [*(line for _, line in BAD_VARIABLES), BAD_VARIABLES[0][1]]
+    for text, line in zip(shown, lines, strict=True):
+        frames = [row.strip() for row in text.splitlines() if row.startswith("  File ")]
+        assert len(frames) == 2, text
+        assert "train.py" in frames[0] and "in prepare" in frames[1], text
+        assert text.strip().splitlines()[-1] == f"accel.config.ConfigError: {line}"
