@@ -135,7 +135,7 @@ def export_checkpoint(path: Path, out: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="accel-export", description=__doc__)
+    p = argparse.ArgumentParser(prog="accel-export", description=__doc__, allow_abbrev=False)
     p.add_argument("checkpoint", type=Path, help="a step_N.pt file or step_N.dcp folder")
     p.add_argument("--out", type=Path, required=True, help=".safetensors (timm) or .pt")
     p.add_argument("--ema", action="store_true", help="the EMA weights (.safetensors)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import types
 import typing
 from typing import Any
@@ -28,7 +29,36 @@ SECTIONS = {
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """argparse, but a usage error is one line and exit code 2 (no usage block)."""
+    """argparse, but a usage error is one line and exit code 2 (no usage block), and a flag
+    must be spelt whole: argparse's default takes any unambiguous prefix (`--batch 8` as
+    `--batch_size 8`), so a typo that happens to be a prefix would change the run silently."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
+
+    def parse_args(self, args: Any = None, namespace: Any = None) -> Any:
+        parsed, extra = self.parse_known_args(args, namespace)
+        for word in extra:
+            if word.startswith("--"):
+                self.error(self.unknown_flag(word.split("=", 1)[0]))
+        if extra:
+            self.error(f"unrecognized arguments: {' '.join(extra)}")
+        return parsed
+
+    def unknown_flag(self, flag: str) -> str:
+        """What an unknown flag says: the whole flags it begins, where it is a shortening."""
+        known = [s for s in self._option_strings() if s.startswith("--")]
+        whole = sorted(s for s in known if s.startswith(flag))
+        if whole:
+            names = " or ".join(whole)
+            return f"{flag} is not a flag (flags are spelt whole): did you mean {names}?"
+        close = difflib.get_close_matches(flag, known, n=3, cutoff=0.75)
+        hint = f"; did you mean {' or '.join(close)}?" if close else ""
+        return f"unrecognized arguments: {flag}{hint}"
+
+    def _option_strings(self) -> list[str]:
+        return [s for action in self._actions for s in action.option_strings]
 
     def error(self, message: str) -> typing.NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")

@@ -34,6 +34,10 @@ CASES = [
     (["--model", "vit_mcro"], {}, ["unknown model 'vit_mcro'", "vit_micro"]),
     (["--mixup", "0.8", "--batch_size", "7"], {}, ["even --batch_size", "7"]),
     (["--amp_level", "O7"], {}, ["--amp_level", "O7"]),
+    # argparse takes an unambiguous prefix by default: `--batch 8` would run as --batch_size 8
+    (["--batch", "4"], {}, ["--batch is not a flag", "did you mean --batch_size?"]),
+    (["--step=3"], {}, ["--step is not a flag", "--steps"]),
+    (["--bacth_size", "4"], {}, ["unrecognized arguments: --bacth_size", "--batch_size"]),
     (["--backend", "tpu"], {}, ["--backend", "tpu"]),
     (["--pool", "max"], {}, ["--pool", "max"]),
     (["--steps", "0"], {}, ["--steps must be >= 1"]),

@@ -78,7 +78,7 @@ def prepare_digits(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="accel-prepare", description=__doc__)
+    parser = argparse.ArgumentParser(prog="accel-prepare", description=__doc__, allow_abbrev=False)
     parser.add_argument("--out", required=True, help="folder to create")
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--per-class", type=int, default=50, help="training images per class")
