@@ -204,11 +204,12 @@ def run(argv: list[str]) -> int:
         print(support_matrix(as_flags))
         return 0
     cfg = config_from_args(args)
-    if args.compare:
-        from accel.cli.compare import parse_backends, run_comparison
+    if args.compare or args.repeats is not None:  # --repeats alone is refused by parse_repeats
+        from accel.cli.compare import parse_backends, parse_repeats, run_comparison
 
+        repeats = parse_repeats(args.repeats, args.compare)
         backends = parse_backends(args.compare)
-        return run_comparison(argv, backends, cfg.model.name, cfg.output)
+        return run_comparison(argv, backends, cfg.model.name, cfg.output, repeats)
     if launched_by_torchrun():
         exit_with_parent()  # a rank never outlives the launcher that started it
     cfg, supports, notes = settled(cfg)

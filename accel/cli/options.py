@@ -113,6 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the same job on each of these backends (e.g. eager,xla) and print a table",
     )
     parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,  # None: not given, which --repeats without --compare is told from
+        metavar="N",
+        help="with --compare: run each backend N times, interleaved, and print the medians with "
+        "the spread of the speed-up (default: 1; 3 or more for a figure worth quoting)",
+    )
+    parser.add_argument(
         "--backends", action="store_true", help="print what each backend supports, and exit"
     )
     groups = {key: parser.add_argument_group(title) for key, title in SECTIONS.items()}
@@ -126,7 +134,7 @@ def config_from_args(args: argparse.Namespace) -> RunConfig:
     """The options given on the command line over the dataclass defaults (unresolved)."""
     nested: dict[str, Any] = {}
     for dotted, value in vars(args).items():
-        if "." not in dotted and dotted in ("compare", "backends"):
+        if "." not in dotted and dotted in ("compare", "repeats", "backends"):
             continue
         set_nested(nested, dotted, value)
     return from_dict(RunConfig, apply_recipe(nested))

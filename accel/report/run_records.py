@@ -1,6 +1,7 @@
 """Finished runs read from a run tree (OUTPUT/<model>/<backend>/<run>/): summary.json and the
-step records of metrics.jsonl, one row per run, and the medians over a backend's repeats. What
-accel-report's tables and accel/figures.py's pictures are made from."""
+step records of metrics.jsonl, one row per run, and the medians over a backend's repeats with the
+spread of the speed-up over them. What accel-report's tables and accel/figures.py's pictures are
+made from."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ RUN_COLUMNS = (
     "model", "backend", "run", "device", "world_size", "amp_level", "global_batch_size", "steps",
     "images_per_sec", "speedup", "step_time_ms", "time_to_first_step_s", "compile_s",
     "compiles_after_warmup", "data_wait_fraction", "eval_acc", "eval_loss", "final_loss",
-    "peak_device_mib", "peak_host_mib", "mfu",
+    "peak_device_mib", "peak_host_mib", "mfu", "runs", "speedup_spread",
 )  # fmt: skip
+# What a speed-up from one run says of its spread (one run on either side of the ratio).
+UNKNOWN = "spread unknown"
 # Medians over a backend's repeats of one job.
 MEDIANS = (
     "images_per_sec", "step_time_ms", "time_to_first_step_s", "compile_s", "eval_acc",
@@ -135,7 +138,8 @@ def backend_order(backend: str) -> tuple[int, str]:
 
 def aggregate(runs: list[Run], base_backend: str = "eager") -> list[dict[str, Any]]:
     """One row per configuration and backend: medians over its runs, the run count, and the
-    speed-up over `base_backend`'s median of the same configuration (else its first backend)."""
+    speed-up over `base_backend`'s median of the same configuration (else its first backend),
+    with its spread over the runs (speedup_low, speedup_high, speedup_spread)."""
     groups: dict[tuple, list[Run]] = {}
     for run in runs:
         groups.setdefault((run.config, run.backend), []).append(run)
@@ -147,6 +151,7 @@ def aggregate(runs: list[Run], base_backend: str = "eager") -> list[dict[str, An
         row["steps"] = max(r["steps"] or 0 for r in per_run)
         row["compiles_after_warmup"] = max(r["compiles_after_warmup"] or 0 for r in per_run)
         row["config"] = config
+        row["each_images_per_sec"] = [r["images_per_sec"] for r in per_run]
         table.append(row)
     table.sort(key=lambda r: (r["config"], backend_order(r["backend"])))
     for row in table:
@@ -154,7 +159,42 @@ def aggregate(runs: list[Run], base_backend: str = "eager") -> list[dict[str, An
         base = next((r for r in same if r["backend"] == base_backend), same[0])
         ips, base_ips = row["images_per_sec"], base["images_per_sec"]
         row["speedup"] = ips / base_ips if ips and base_ips else None
+        row["base_backend"], row["base_images_per_sec"] = base["backend"], base_ips
+        spread = speedup_spread(row["each_images_per_sec"], base_ips, base["runs"], base["backend"])
+        row.update(spread)
     return table
+
+
+def speedup_spread(
+    each: list[float | None], base_ips: float | None, base_runs: int, base_backend: str
+) -> dict[str, Any]:
+    """The spread of a speed-up over its runs: each run's images/s against the base backend's
+    median (speedup_low, speedup_high), and in words with the run count (speedup_spread).
+
+    One run on either side has no spread to measure, and one run on a loaded machine can be off
+    by several times: its low and high are left unknown and the words say so."""
+    measured = [v for v in each if v]
+    if not measured or not base_ips:
+        return {"speedup_low": None, "speedup_high": None, "speedup_spread": None}
+    if len(measured) == 1 or base_runs == 1:
+        one = "1 run" if len(measured) == 1 else f"1 {base_backend} run"
+        return {"speedup_low": None, "speedup_high": None, "speedup_spread": f"{one}: {UNKNOWN}"}
+    low, high = min(measured) / base_ips, max(measured) / base_ips
+    return {
+        "speedup_low": low,
+        "speedup_high": high,
+        "speedup_spread": f"{low:.2f}-{high:.2f} over {len(measured)} runs",
+    }
+
+
+def single_run_speedups(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows whose speed-up over another backend rests on one run (of theirs, of the base
+    backend's or both). A base backend's own row is left out: its 1 is so by definition."""
+    return [
+        r
+        for r in table
+        if (r.get("speedup_spread") or "").endswith(UNKNOWN) and r["backend"] != r["base_backend"]
+    ]
 
 
 def fmt(value: Any) -> str:

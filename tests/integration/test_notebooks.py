@@ -1,5 +1,6 @@
 """The walkthrough notebooks, executed top to bottom with nbclient as committed, and their outputs
-checked: the numbers they print, the files they write, and no third-party notice in any cell."""
+checked: the numbers they print, the files they write, and no third-party notice in any cell.
+Every speed-up they print rests on three runs of each path and says so, with its spread."""
 
 import re
 
@@ -31,26 +32,34 @@ def execute(name: str, workdir) -> str:
     return "\n".join(texts)
 
 
+# A speed-up's run count and spread, as the notebooks print them: "(medians of 3 runs each; run by
+# run 0.25-0.27 over 3 runs)".
+SPREAD = r"\(medians of 3 runs each; run by run \d+\.\d\d-\d+\.\d\d over 3 runs\)"
+
+
 def _pictures(folder) -> None:
     for name in ("throughput", "timeline", "agreement", "memory"):
         assert (folder / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+    assert "From a single run" not in (folder / "report.md").read_text()
 
 
 @pytest.mark.xla  # USE_ACCEL=1 on a CPU is torch_xla
 def test_quickstart_trains_both_paths_and_reports(tmp_path):
     text = execute("01_quickstart", tmp_path)
     assert "accel: backend eager (default" in text and "accel: backend xla (USE_ACCEL=1" in text
-    assert "| vit_micro | eager | 1 |" in text and "| vit_micro | xla | 1 |" in text
-    assert re.search(r"xla runs at \d\.\d\dx eager's images/s here, and spends [\d.]+ s", text)
+    assert "| vit_micro | eager | 3 |" in text and "| vit_micro | xla | 3 |" in text
+    assert re.search(rf"xla runs at \d+\.\d\dx eager's images/s here {SPREAD}", text)
+    compiles = r"xla's compile before its first step, run by run: [\d.]+ s, [\d.]+ s, [\d.]+ s"
+    assert re.search(compiles, text)  # each run a process of its own: each compiles
     _pictures(tmp_path / "work" / "quickstart" / "report")
 
 
 @pytest.mark.xla
 def test_swin_walkthrough_reads_the_median_speedup(tmp_path):
     text = execute("02_swin_accel_vs_eager", tmp_path)
-    assert "120 training JPEGs, 20 validation JPEGs" in text
-    assert "| swin_micro | eager | 2 |" in text and "| swin_micro | xla | 2 |" in text
-    assert re.search(r"speed-up of xla over eager: \d+\.\d\dx \(medians of 2 runs each\)", text)
+    assert "80 training JPEGs, 20 validation JPEGs" in text
+    assert "| swin_micro | eager | 3 |" in text and "| swin_micro | xla | 3 |" in text
+    assert re.search(rf"speed-up of xla over eager: \d+\.\d\dx {SPREAD}", text)
     _pictures(tmp_path / "work" / "swin" / "report")
 
 

@@ -166,17 +166,20 @@ def test_the_readme_block_is_filled_from_the_same_runs(run_tree, tmp_path):
     assert all(f"| vit_micro | {b} | 2 |" in text for b in BACKENDS)
 
 
-def test_compare_runs_each_backend_and_prints_one_row_each(tmp_path):
+def test_compare_repeats_each_backend_in_turn_and_prints_medians_with_their_spread(tmp_path):
     result = run_cli(
-        *("--compare", "eager,jax", "--model", "vit_micro", "--steps", "4"),
+        *("--compare", "eager,jax", "--repeats", "2", "--model", "vit_micro", "--steps", "4"),
         *("--batch_size", "8", "--workers", "0", "--no-eval", "--output", str(tmp_path)),
     )
     assert result.returncode == 0, result.stderr[-2000:]
     table = result.stdout[result.stdout.index("comparison of vit_micro") :]
-    assert re.search(r"\| eager \| [\d.]+ \| 1 \|", table)
-    assert re.search(r"\| jax \| [\d.]+ \| [\d.]+ \|", table)
-    for backend in ("eager", "jax"):
-        assert len(list((tmp_path / "vit_micro" / backend).glob("compare-*/summary.json"))) == 1
+    assert "medians of 2 runs each" in table
+    assert re.search(r"\| eager \| 2 \| [\d.]+ \| 1 \| [\d.]+-[\d.]+ over 2 runs \|", table)
+    assert re.search(r"\| jax \| 2 \| [\d.]+ \| [\d.]+ \| [\d.]+-[\d.]+ over 2 runs \|", table)
+    assert "spread unknown" not in table
+    for backend in ("eager", "jax"):  # a folder a run, the repeat in its name
+        runs = sorted((tmp_path / "vit_micro" / backend).glob("compare-*/summary.json"))
+        assert [p.parent.name[-3:] for p in runs] == ["-r1", "-r2"]
 
 
 def test_compare_refuses_unknown_backends_in_one_line(tmp_path):
