@@ -20,6 +20,7 @@ from accel.config import ConfigError
 from accel.engine import Engine
 
 STEP_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")  # a checkpoint of the run's step N
+BEST_NAME = "best"  # --checkpoint_best's checkpoint, RUN/checkpoints/best.pt
 
 
 class StorageError(ConfigError):
@@ -115,6 +116,24 @@ class CheckpointManager:
         if self.engine.is_main:
             prune(self.run_dir, self.cfg.keep_checkpoints)
         return final
+
+    def best_path(self) -> Path:
+        """--checkpoint_best's: RUN/checkpoints/best.pt (or .dcp), never pruned (its name is
+        no step's)."""
+        suffix = "dcp" if self.engine.sharded_checkpoint else "pt"
+        return checkpoint_dir(self.run_dir) / f"{BEST_NAME}.{suffix}"
+
+    def save_best(self, results: dict[str, Any]) -> Path:
+        """The weights of the best evaluation so far, replacing the last best; `results` kept in
+        its meta (its loop state holds the step)."""
+        path = self.best_path()
+        self.engine.save(path, meta={"config": self.cfg.to_json(), "best": results})
+        return path
+
+    def kept(self) -> list[Path]:
+        """The newest of the run's checkpoints, and its best where --checkpoint_best keeps one."""
+        newest, best = latest_checkpoint(self.run_dir), self.best_path()
+        return [p for p in (newest, best) if p is not None and p.exists()]
 
     def load(self, path: Path) -> None:
         """Check the checkpoint fits this run, then load every part."""

@@ -188,7 +188,16 @@ class RunConfig:
         flag="--no-save",
         group=OUTPUT,
     )
-    log_every: int = option(10, "steps between loss fetches and log lines", min=1, group=OUTPUT)
+    checkpoint_best: str = option(
+        "",
+        "also keep the best evaluation's checkpoint by this metric (RUN/checkpoints/best.pt, "
+        "beside the newest): each --eval_every evaluation and the final one",
+        choices=("", "top1", "top5", "loss"),
+        group=OUTPUT,
+    )
+    log_every: int = option(
+        10, "steps between loss fetches and log lines (loss, lr, img/s)", min=1, group=OUTPUT
+    )
     eval: bool = option(True, "skip the final evaluation", flag="--no-eval", group=OUTPUT)
     eval_only: bool = option(
         False,
@@ -386,6 +395,13 @@ def check_training_options(cfg: RunConfig) -> None:
         raise ConfigError("--eval_only evaluates --resume's checkpoint or --pretrained(_path)")
     if not cfg.save and cfg.save_every:
         raise ConfigError(f"--no-save with --save_every {cfg.save_every}: give one or the other")
+    if cfg.checkpoint_best and not (cfg.eval or cfg.eval_every):
+        raise ConfigError(
+            f"--checkpoint_best {cfg.checkpoint_best} with --no-eval and no --eval_every: "
+            "no evaluation picks a best"
+        )
+    if cfg.checkpoint_best and not cfg.save:
+        raise ConfigError("--checkpoint_best with --no-save: give one or the other")
 
 
 def validate(cfg: RunConfig) -> None:

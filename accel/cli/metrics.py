@@ -28,6 +28,19 @@ def _finite_or_none(value: Any) -> Any:
     return value if not isinstance(value, float) or math.isfinite(value) else None
 
 
+class AboveTheBar(logging.Handler):
+    """Log lines on stdout written above the progress bar (tqdm.write clears it, writes the
+    line and draws it again), so that neither is glued onto the other on a terminal."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        from tqdm import tqdm
+
+        try:
+            tqdm.write(self.format(record), file=sys.stdout)
+        except Exception:  # logging's contract: a handler's failure is reported, never raised
+            self.handleError(record)
+
+
 class RunLogger:
     def __init__(self, run_dir: Path, ctx: DistContext, tensorboard: bool = True):
         self.run_dir = run_dir
@@ -42,10 +55,7 @@ class RunLogger:
         self.log.handlers.clear()
         if ctx.is_main:
             fmt = logging.Formatter("%(asctime)s %(message)s", "%H:%M:%S")
-            for handler in (
-                logging.FileHandler(run_dir / "train.log"),
-                logging.StreamHandler(sys.stdout),
-            ):
+            for handler in (logging.FileHandler(run_dir / "train.log"), AboveTheBar()):
                 handler.setFormatter(fmt)
                 self.log.addHandler(handler)
         self.tb = None

@@ -15,10 +15,17 @@ from typing import Any, cast
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
 from accel.cli.checkpoints import CheckpointManager, remove_stale_temporaries, storage_error
 from accel.cli.config import RunConfig
+from accel.cli.console import (
+    BestEvaluation,
+    IntervalLines,
+    Progress,
+    closing_block,
+    evaluation_line,
+    on_terminal,
+)
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.evaluation import Evaluator
 from accel.cli.flops import train_flops_per_image
@@ -198,12 +205,18 @@ class StepLog:
             return
         results = t.engine.fetch([handle for _, handle, _ in self.pending])
         timing = t.timer.group(len(self.pending), t.global_batch)
+        fetched = []
         for (step, _, lr), (loss, applied) in zip(self.pending, results, strict=True):
             t.state.losses.append(float(loss))
             t.logger.record("step", step=step, loss=loss, lr=lr, applied=applied, **timing)
             t.logger.scalars(step, loss=loss, lr=lr, **timing)
+            fetched.append((step, float(loss), lr))
             if not applied:
                 self.non_finite(step, loss)
+        # The steps up to the end of warm-up hold compiles: their time is not a step's.
+        warming = self.pending[-1][0] <= t.timer.warm_step
+        if t.engine.is_main:
+            t.lines.fetched(fetched, timing, warming)
         self.pending.clear()
         t.timer.restart_group()
 
@@ -242,6 +255,7 @@ class Trainer:
         self.schedule = LRSchedule(cfg.optim, self.total_steps, self.data.steps_per_epoch)
         self.checkpoints = CheckpointManager(cfg, self.engine)
         self.steps = StepLog(self)
+        self.best = BestEvaluation(cfg.checkpoint_best or "top1")
         self.stopping = False  # a signal asked to stop, and the ranks agreed
 
     @property
@@ -266,6 +280,9 @@ class Trainer:
             with self.timer.phase("logger"):
                 self.logger = RunLogger(run_dir, self.engine.ctx)
             self.tracker = SkipTracker(self.state, self.logger)
+            self.lines = IntervalLines(
+                self.logger.info, self.cfg.log_every, self.total_steps, self.data.steps_per_epoch
+            )
             self.evaluate = Evaluator(self.cfg, self.engine, self.data.host_batch, self.tracker)
             try:
                 resume(self)
@@ -287,10 +304,9 @@ class Trainer:
             f"training {self.cfg.model.name} on {self.engine.backend}: "
             f"{self.total_steps} steps, global batch {self.global_batch}"
         )
-        bar = tqdm(
-            total=self.total_steps, initial=start, desc=self.engine.backend,
-            disable=not self.engine.is_main, dynamic_ncols=True,
-        )  # fmt: skip
+        bar = Progress(
+            self.engine.backend, self.total_steps, start, on_terminal(self.engine.is_main)
+        )
         # The bar is closed (its line ended) on errors too, so error messages start a line.
         with bar, stop_on_signals() as self.stop:
             loop_start = time.perf_counter()
@@ -319,7 +335,7 @@ class Trainer:
             self.stopping = self.engine.any_rank(self.stop.requested)
         return self._halted()
 
-    def _run_epoch(self, bar: tqdm, start: int) -> None:
+    def _run_epoch(self, bar: Progress, start: int) -> None:
         accum, loader = self.cfg.optim.grad_accum, self.data.loader
         loader.batch_sampler.set_epoch(self.state.epoch, self.state.batch_in_epoch)
         host = (host_tuple(b) for b in self.tracker.track(loader))
@@ -328,7 +344,7 @@ class Trainer:
             self.steps.add(self.state.step, handle, self.schedule(self.state.step - 1))
             self.state.batch_in_epoch += accum
             self._after_step(start)
-            bar.update(1)
+            bar.stepped(self.state.step)
             if self.state.step >= self.total_steps or self._stop_now():
                 return
         self.state.epoch += 1
@@ -347,7 +363,7 @@ class Trainer:
         if step == start + 1:
             self.steps.flush()
             self.logger.info(self.timer.first_step_done())
-        if len(self.steps.pending) >= cfg.log_every:
+        if step % cfg.log_every == 0:  # the interval's line (console.IntervalLines)
             self.steps.flush()
         if cfg.save_every and step % cfg.save_every == 0 and step < self.total_steps:
             self.save()
@@ -369,6 +385,8 @@ def resume(t: Trainer) -> None:
         return
     t.checkpoints.load(path)
     t.tracker.restore(t.state)
+    for results in t.state.evals:  # the best so far, as the saved run had it
+        t.best.offer(results)
     t.logger.info(f"resumed from {path} at step {t.state.step}")
 
 
@@ -379,14 +397,23 @@ def evaluate_between_epochs(t: Trainer) -> None:
     results = t.eval_record(t.evaluate())
     if t.state.step > t.timer.warm_step:
         t.timer.eval_s += time.perf_counter() - started
-    t.state.evals.append(results)
     t.logger.record("eval", **results)
     t.logger.scalars(t.state.step, **{k: v for k, v in results.items() if "eval_" in k})
-    t.logger.info(
-        f"epoch {t.state.epoch}: eval top-1 {results['eval_acc']:.4f}, "
-        f"loss {results['eval_loss']:.4f}"
-    )
+    kept(t, results)
     t.timer.restart_group()
+
+
+def kept(t: Trainer, results: dict[str, Any]) -> None:
+    """An evaluation kept for the summary and said with the best so far, whose checkpoint
+    --checkpoint_best writes."""
+    t.state.evals.append(results)
+    better = t.best.offer(results)
+    if t.engine.is_main:
+        t.logger.info(evaluation_line(results, t.best))
+    if better and t.cfg.checkpoint_best:
+        path = t.checkpoints.save_best(results)
+        if t.engine.is_main:
+            t.logger.info(f"best checkpoint {path}")
 
 
 def final_summary(t: Trainer, end: float) -> dict[str, Any]:
@@ -420,7 +447,7 @@ def final_summary(t: Trainer, end: float) -> dict[str, Any]:
     )
     if cfg.eval:
         summary.evaluation = t.evaluate()
-        state.evals.append(t.eval_record(summary.evaluation))
+        kept(t, t.eval_record(summary.evaluation))
     summary.evals = state.evals
     summary.skipped_images = len(state.skipped)  # after evaluation's skips too
     # Every rank's memory, construction, training, checkpoints and evaluation included.
@@ -429,7 +456,8 @@ def final_summary(t: Trainer, end: float) -> dict[str, Any]:
     record = summary.to_dict()
     if t.engine.is_main:
         t.logger.write_summary(record)
-        t.logger.info(f"{ips:.1f} img/s, final loss {state.losses[-1]:.4f}")
+        kept_files = [str(path) for path in t.checkpoints.kept()]
+        t.logger.info(closing_block(ips, state.losses[-1], summary.run_dir, t.best, kept_files))
     return record
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -82,6 +83,16 @@ def test_the_readme_quick_start_runs_as_written_and_learns(tmp_path, command):
     assert result.stdout.splitlines()[-1].startswith("accel: ")  # the README's last line
     summary = read_summary(tmp_path / "runs")
     assert summary["eval_acc"] >= 0.5  # the README says about 0.9; chance is 0.1
+    # The README's console lines, with summary.json's values: each --log_every (10) steps' mean
+    # loss, the evaluation and its best, the closing block.
+    said = re.findall(r"step (\d+)/40  epoch \d  loss ([\d.]+)  lr ", result.stdout)
+    losses = summary["losses"]
+    assert [(int(s), float(v)) for s, v in said] == [
+        (s, round(sum(losses[s - 10 : s]) / 10, 4)) for s in (10, 20, 30, 40)
+    ]
+    evaluation = f"eval top-1 {summary['eval_acc']:.4f}, top-5 {summary['eval_acc5']:.4f}"
+    assert evaluation in result.stdout and f"best top-1 {summary['eval_acc']:.4f}" in result.stdout
+    assert f"done: {summary['images_per_sec']:.1f} img/s" in result.stdout
 
 
 def test_the_quick_start_has_an_eager_and_an_accelerated_command():

@@ -1,10 +1,13 @@
 """The xla backend on PJRT CPU: real torch_xla, real compiles."""
 
+import re
+
 import pytest
 import torch
 
 from accel.backends.base import BackendUnavailable
 from accel.backends.xla import check_versions, compile_count
+from accel.checkpoint import read_meta
 from accel.cli.data.config import MixupConfig
 from accel.cli.train import Trainer
 from tests.helpers import job_backend, micro_config, run_cli_without, run_python, train
@@ -135,13 +138,35 @@ def test_missing_torch_xla_is_one_line_with_the_install_command(tmp_path):
 
 @XLA
 @SLOW
-def test_evaluating_between_epochs_is_not_a_recompile(tmp_path):
+def test_evaluating_between_epochs_is_not_a_recompile_and_is_said_with_the_best(tmp_path):
     """--eval_every compiles evaluation graphs mid-run; --max_recompiles 0 counts only the
-    training step's."""
-    summary, _ = train(
+    training step's. The console and train.log say what summary.json holds: a line every
+    --log_every steps (the mean loss since the last), one per evaluation with the best so far,
+    and --checkpoint_best keeps the best evaluation's weights."""
+    summary, stdout = train(
         tmp_path,
         *("--backend", "xla", "--epochs", "2", "--synthetic_length", "64", "--batch_size", "16"),
         *("--workers", "0", "--eval_every", "1", "--max_recompiles", "0"),
+        *("--log_every", "3", "--checkpoint_best", "loss"),
     )
     assert [e["epoch"] for e in summary["evals"]] == [1, 2]
     assert summary["compiles_after_warmup"] == 0
+    run_dir = tmp_path / "vit_micro" / "xla" / "r"
+    log = (run_dir / "train.log").read_text()
+    losses = summary["losses"]  # 8 steps: lines at 3, 6 and the last, 8
+    for start, end in ((0, 3), (3, 6), (6, 8)):
+        mean = sum(losses[start:end]) / (end - start)
+        line = re.search(rf"step +{end}/8  epoch \d  loss {mean:.4f}  lr [\d.e+-]+  ", stdout)
+        assert line and line.group(0) in log, (end, mean, stdout)
+    for e in summary["evals"]:
+        said = (
+            f"eval top-1 {e['eval_acc']:.4f}, top-5 {e['eval_acc5']:.4f}, loss {e['eval_loss']:.4f}"
+        )
+        assert said in stdout and said in log, said
+    best = min(summary["evals"], key=lambda e: e["eval_loss"])  # the first of equals
+    assert f"best eval loss {best['eval_loss']:.4f} (epoch {best['epoch']:g}" in stdout
+    meta = read_meta(run_dir / "checkpoints" / "best.pt")
+    assert meta["loop"]["step"] == best["step"] and meta["best"]["eval_loss"] == best["eval_loss"]
+    closing = log[log.index("done: ") :]  # the closing block names both checkpoints
+    assert f"  checkpoint {run_dir / 'checkpoints' / 'best.pt'}" in closing, closing
+    assert f"  checkpoint {run_dir / 'checkpoints' / 'step_00000008.pt'}" in closing, closing

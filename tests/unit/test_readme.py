@@ -34,7 +34,7 @@ def test_the_cli_page_shows_the_help_the_parser_prints(monkeypatch):
 
 def test_the_readme_is_short_and_every_section_is_linked_from_its_top():
     lines = README.splitlines()
-    assert len(lines) <= 250
+    assert len(lines) <= 260  # the quick start's console lines included
     top = "\n".join(lines[:20])
     for heading in re.findall(r"^#{2,3} (.+)$", README, flags=re.M):
         anchor = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
