@@ -1,4 +1,6 @@
-"""accel: an XLA-backed training backend for PyTorch vision transformers.
+"""accel: one training step for any PyTorch model, run on the backend chosen (eager, torch.compile,
+torch_xla or JAX's XLA through torchax) and split over devices as asked (FSDP, tensor and pipeline
+parallel).
 
 In your own script: `engine = accel.prepare(model, optimizer, loss_fn)` (accel/api.py makes
 the Engine of accel/engine.py); the command line (accel/cli/) is one more client of it. The
@@ -12,7 +14,8 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from accel.api import choose_backend, engine_of, prepare
+    from accel.api import engine_of, prepare
+    from accel.backends import resolve_backend
     from accel.backends.base import BackendUnavailable, RecompileError
     from accel.engine import AccelError, Engine, StepResult
     from accel.processes import is_local_main_process, is_main_process, skip_first_batches
@@ -25,19 +28,19 @@ __all__ = [
     "RecompileError",
     "Settled",
     "StepResult",
-    "choose_backend",
     "engine_of",
     "is_local_main_process",
     "is_main_process",
     "prepare",
+    "resolve_backend",
     "settle",
     "skip_first_batches",
     "with_keywords",
 ]
 HOMES = {
-    "choose_backend": "accel.api",
     "engine_of": "accel.api",
     "prepare": "accel.api",
+    "resolve_backend": "accel.backends",
     "BackendUnavailable": "accel.backends.base",
     "RecompileError": "accel.backends.base",
     "Settled": "accel.settings",

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from accel.config import AMP_LEVELS, ConfigError
+from accel.config import AMP_LEVELS, AccelError
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,7 +43,7 @@ class AmpPolicy:
 def amp_policy(level: str, dtype: str = "bfloat16") -> AmpPolicy:
     """The policy of a level the config has already checked (accel/config.py)."""
     if level not in AMP_LEVELS or dtype not in DTYPES:
-        raise ConfigError(f"unknown AMP level or dtype: {level} {dtype}")
+        raise AccelError(f"unknown AMP level or dtype: {level} {dtype}")
     if level == "O3":
         warnings.warn(
             "AMP O3 trains entirely in low precision: fastest, may cost accuracy", stacklevel=2

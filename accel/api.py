@@ -5,18 +5,16 @@ accel/settings.py."""
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
 
-from accel.backends import resolve_backend
-from accel.backends.base import BackendUnavailable, LossFn, ModelInit
+from accel.backends.base import Backend, BackendUnavailable, LossFn, ModelInit
 from accel.batches import BatchTrees
-from accel.checkpoint import flatten
+from accel.checks import check_model, check_same_on_every_rank
 from accel.config import (
     AccelError,
     AmpDtype,
@@ -28,28 +26,17 @@ from accel.config import (
     RematChoice,
     ShardMode,
 )
-from accel.distributed import first_difference, init_process_group
+from accel.distributed import DistContext, init_process_group
 from accel.engine import Engine
 from accel.loop import LoopPart
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
-from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.script_changes import ScriptChanges
-from accel.settings import settle, with_keywords
-from accel.ties import tied_names
+from accel.settings import Settled, settle, with_keywords
 from accel.user_model import EvalModel, TrainedOnRead
 from accel.user_optimizer import TrainedOptimizer, parameter_names
 from accel.workers import fork_server
 
 Schedule = ScheduleFn | torch.optim.lr_scheduler.LRScheduler | None
-
-
-def choose_backend(requested: str | None, env: dict[str, str] | None = None) -> tuple[str, str]:
-    """(backend, why): the name asked for, else ACCEL_BACKEND, else USE_ACCEL=1, else eager.
-
-    >>> choose_backend("jax")
-    ('jax', 'asked for by name')
-    """
-    return resolve_backend(requested, env)
 
 
 def prepare(
@@ -173,74 +160,118 @@ def _engine_for(
     init: ModelInit | None,
     state: LoopPart | None,
 ) -> Engine:
-    """prepare's work over its settled keywords."""
+    """prepare's steps over its keywords' config: settle, check, join, build, the engine."""
     if fork_server.importing_main:  # a loader's fork server imports the script, and runs no step
         raise AccelError("prepare runs as the script is imported: call it under its main guard")
     given, model = model, unwrapped(model)
-    try:  # checked once, here as on the command line; the backend runs here and every setting
-        settled = settle(config)
-    except BackendUnavailable as err:
-        raise AccelError(str(err)) from None
-    config, module = settled.config, settled.module
-    if not any(p.requires_grad for p in model.parameters()):
-        raise AccelError(
-            f"{type(model).__name__} has no trainable parameter (requires_grad is False on every "
-            "one): there is nothing to train"
-        )
-    check_float32(model)
-    check_hooks(model, settled.supports.gradient_hooks, config.backend)
-    splits: dict[str, int] = {}
-    if config.mesh.tp > 1:  # what splits, refused in one line before anything is built
-        splits = weight_splits(model, resolve_plan(model, config.mesh.tp_plan, config.mesh.tp))
-    check_ties(model, config, splits)
-    spec = OptimizerSpec.of(optimizer, model)
-    refused = spec.refusals()
-    if refused:
-        raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
-    # The one place a process joins its peers: the process group (eager, compile), xla's
-    # runtime, jax.distributed; the command line and the user's script read it from the Engine.
-    ctx = module.context(config)
-    if module.SUPPORTS.replicas == "processes":  # jax's processes meet through jax.distributed
-        init_process_group(ctx)
-        check_same_on_every_rank(config)
-    runner = module.build(config, ctx)
-    # Workers forked from a process that runs threads may deadlock on a lock one of them held
-    # (malloc's, a runtime's), and Python warns of it: JAX's runtime runs threads, and so does
-    # the process group of a process that joined its peers (gloo's, NCCL's). There the
-    # script's DataLoaders start theirs from a fork server (Python 3.14's default on Linux),
-    # unless the script chose a start method itself. The server imports torch and the script
-    # once, not each worker of each pass. engine.close() puts it back.
-    forks_unsafely = runner.threaded or ctx.distributed
-    fork_server_use = fork_server.use_fork_server() if forks_unsafely else None
+    settled = settled_here(config)
+    spec = check_model(model, optimizer, settled)
+    ctx = join(settled)
     names = parameter_names(optimizer, model)  # before xla moves the parameters
     trees = BatchTrees()  # batches as dicts, lists or tuples: the backend sees their tensors
-    runner.adopt(model, spec, trees.loss(loss_fn), init)
+    undo = Undo()  # what engine.close() puts back, the last change first
+    runner = build(settled, ctx, model, spec, trees.loss(loss_fn), init, undo)
     if not quiet and ctx.is_main:
-        print(f"accel: {config.backend} backend ({settled.why})", file=sys.stderr, flush=True)
-    # The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
-    # does, so torch's warning that the scheduler stepped first would be wrong every time. torch
-    # marks an optimizer that has stepped with `_opt_called` (set by the step its schedulers
-    # wrap, no public API): set on this optimizer alone, rather than a process-wide filter.
-    optimizer._opt_called = True  # type: ignore[attr-defined]
-    rates = LearningRates(spec, schedule, optimizer)
+        print(
+            f"accel: {settled.config.backend} backend ({settled.why})", file=sys.stderr, flush=True
+        )
     engine = Engine(
         backend=runner,
         ctx=ctx,
-        rates=rates,
-        accum=config.step.accum,
-        ema=config.step.ema,
+        rates=LearningRates(spec, schedule, optimizer),
+        accum=settled.config.step.accum,
+        ema=settled.config.step.ema,
         state=state,
-        max_recompiles=config.compiler.max_recompiles,
+        max_recompiles=settled.config.compiler.max_recompiles,
         model_given=model,
-        on_close=fork_server_use.undo if fork_server_use else None,
+        on_close=undo,
         trees=trees,
         script=ScriptChanges(model, optimizer, {n for g in spec.groups for n in g.names}),
     )
-    if not runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
-        TrainedOnRead(engine, model)  # jax: the script's model reads as the trained one
-    TrainedOptimizer(engine, optimizer, names)  # and its optimizer, on every backend
+    attach_to_user_objects(engine, model, optimizer, names, undo)
     ENGINES[model] = ENGINES[given] = weakref.ref(engine)  # accel.engine_of(model)
     return engine
+
+
+def settled_here(config: BackendConfig) -> Settled:
+    """The config checked once, here as on the command line, with the backend that runs it;
+    a backend that cannot run here is one line, as any other refusal."""
+    try:
+        return settle(config)
+    except BackendUnavailable as err:
+        raise AccelError(str(err)) from None
+
+
+def join(settled: Settled) -> DistContext:
+    """The one place a process joins its peers: the process group (eager, compile), xla's
+    runtime, jax.distributed; the command line and the user's script read it from the
+    Engine. Ranks that were given different settings are refused before anything is built."""
+    ctx = settled.module.context(settled.config)
+    if settled.supports.replicas == "processes":  # jax's processes meet through jax.distributed
+        init_process_group(ctx)
+        check_same_on_every_rank(settled.config)
+    return ctx
+
+
+def build(
+    settled: Settled,
+    ctx: DistContext,
+    model: nn.Module,
+    spec: OptimizerSpec,
+    loss_fn: LossFn,
+    init: ModelInit | None,
+    undo: Undo,
+) -> Backend:
+    """The backend built over the process's context, holding the model and its optimizer.
+
+    Workers forked from a process that runs threads may deadlock on a lock one of them held
+    (malloc's, a runtime's), and Python warns of it: JAX's runtime runs threads, and so does
+    the process group of a process that joined its peers (gloo's, NCCL's). There the script's
+    DataLoaders start theirs from a fork server (Python 3.14's default on Linux), unless the
+    script chose a start method itself. The server imports torch and the script once, not each
+    worker of each pass; `undo` (engine.close()) puts it back."""
+    runner = settled.module.build(settled.config, ctx)
+    if runner.threaded or ctx.distributed:
+        fork_server_use = fork_server.use_fork_server()
+        if fork_server_use:
+            undo.add(fork_server_use.undo)
+    runner.adopt(model, spec, loss_fn, init)
+    undo.add(runner.release)
+    return runner
+
+
+def attach_to_user_objects(
+    engine: Engine,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    names: list[str],
+    undo: Undo,
+) -> None:
+    """The script's own model and optimizer read as the trained ones, until engine.close().
+
+    The user's scheduler steps their optimizer's rates; accel's optimizer steps, theirs never
+    does, so torch's warning that the scheduler stepped first would be wrong every time. torch
+    marks an optimizer that has stepped with `_opt_called` (set by the step its schedulers
+    wrap, no public API): set on this optimizer alone, rather than a process-wide filter."""
+    optimizer._opt_called = True  # type: ignore[attr-defined]
+    if not engine.runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
+        undo.add(TrainedOnRead(engine, model).remove)  # jax: the model reads as the trained one
+    undo.add(TrainedOptimizer(engine, optimizer, names).remove)  # its optimizer, on every backend
+
+
+class Undo:
+    """What Engine.close puts back of prepare's changes, in the reverse of their order (the
+    optimizer's state read from the backend before the backend lets the model go), once."""
+
+    def __init__(self) -> None:
+        self.steps: list[Callable[[], None]] = []
+
+    def add(self, step: Callable[[], None]) -> None:
+        self.steps.append(step)
+
+    def __call__(self) -> None:
+        while self.steps:
+            self.steps.pop()()
 
 
 # Each model given to prepare -> its Engine, both held weakly: the registry keeps neither alive.
@@ -282,84 +313,4 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model
 
 
-def check_same_on_every_rank(cfg: BackendConfig) -> None:
-    """Every rank builds the same backend: a setting that differs between ranks (a seed or a
-    mesh read from the rank or the host) is refused in one line on every rank before anything is
-    built, where the build would hang in a collective or each rank would train differently. The
-    compile cache is the host's own, and may differ."""
-    settings = flatten(dataclasses.asdict(cfg))
-    mine = {
-        k.split(".", 1)[-1]: described(v) for k, v in settings.items() if k != "compiler.cache_dir"
-    }
-    difference = first_difference(mine)
-    if difference:
-        raise AccelError(f"the ranks called prepare with different options: {difference}")
-
-
-def described(value: object) -> object:
-    """A setting as the ranks compare it: a function (an EMA decay's) by its qualified name,
-    a callable object by its repr, the same on every rank where their addresses are not."""
-    if not callable(value):
-        return value
-    name = getattr(value, "__qualname__", None)
-    return f"{value.__module__}.{name}" if name else repr(value)
-
-
-def check_ties(model: nn.Module, cfg: BackendConfig, splits: dict[str, int]) -> None:
-    """A tensor the model holds under two names (tied weights) stays one tensor on every
-    layout but two: a pipeline may put the two names on different stages, and tp= splitting
-    one of them would leave the other whole. Those are refused in one line, naming both."""
-    for alias, name in tied_names(model).items():
-        if cfg.mesh.pp > 1:
-            why = "a pipeline may put them on different stages"
-        elif alias in splits or name in splits:
-            why = "tp= would split one and leave the other whole"
-        else:
-            continue
-        raise AccelError(
-            f"{alias} is tied to {name} (one tensor under two names): {why}; untie them "
-            "(give each its own parameter) or train without it"
-        )
-
-
-def check_hooks(model: nn.Module, runs: tuple[str, ...], backend: str) -> None:
-    """Backward hooks the backend's step would not run (jax differentiates its trace itself;
-    xla's step runs no tensor hook) are refused in one line naming the module or parameter,
-    rather than trained without. torch lists a module's and a tensor's backward hooks only in
-    their own dicts (no public API reads them)."""
-    cure = (
-        f"the {backend} backend's step would not run it: remove it, or train with eager or compile"
-    )
-    if "module" not in runs:
-        for name, module in model.named_modules():
-            if module._backward_hooks or module._backward_pre_hooks:
-                where = name or type(model).__name__
-                raise AccelError(
-                    f"{where} has a backward hook (register_full_backward_hook): {cure}"
-                )
-    if "tensor" not in runs:
-        for name, parameter in model.named_parameters():
-            if parameter._backward_hooks:
-                raise AccelError(f"{name} has a gradient hook (register_hook): {cure}")
-
-
-def check_float32(model: nn.Module) -> None:
-    """accel trains a float32 model, in the precision `amp=` asks for; a model given in another
-    floating dtype is refused in one line on every backend alike, rather than cast (eager's
-    and xla's steps would cast it to the AMP level's dtype, jax cannot take it)."""
-    found = next(
-        ((n, p.dtype) for n, p in model.named_parameters() if p.is_floating_point()
-         and p.dtype != torch.float32),
-        None,
-    )  # fmt: skip
-    if found is None:
-        return
-    name, dtype = found
-    raise AccelError(
-        f"{type(model).__name__}'s parameters are {dtype} ({name}): give prepare the float32 "
-        "model (model.float()) and choose the precision with amp= ('O1' autocast, 'O2' "
-        "bfloat16 weights with float32 masters, 'O3' all in bfloat16)"
-    )
-
-
-__all__ = ["choose_backend", "engine_of", "prepare"]
+__all__ = ["engine_of", "prepare"]

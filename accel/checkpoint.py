@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from accel.config import ConfigError
+from accel.config import AccelError
 from accel.parallel.materialize import local_region
 
 FORMAT = "accel-checkpoint-2"
@@ -38,7 +38,7 @@ PARTIAL = ".*.tmp"
 META = "meta.pt"
 
 
-class CheckpointError(ConfigError):
+class CheckpointError(AccelError):
     """A checkpoint that cannot be used: one line, exit 2."""
 
 

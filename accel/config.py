@@ -34,11 +34,9 @@ REMAT_CHOICES: tuple[str, ...] = get_args(RematChoice)
 EmaDecayFn = Callable[[int], float]  # the EMA decay by the optimizer steps done, this one included
 
 
-class ConfigError(ValueError):
-    """Bad user input: reported as one line (the command line's exit code 2)."""
-
-
-AccelError = ConfigError  # accel.AccelError: every refusal, one line, before any weight changes
+class AccelError(ValueError):
+    """Every refusal of bad input, in one line, before any weight changes (`accel.AccelError`;
+    the command line's exit code 2)."""
 
 
 @dataclass(frozen=True)

@@ -110,7 +110,8 @@ class Engine(ProcessCalls):
 
     def close(self) -> None:
         """Puts back what `prepare` changed in the process (DataLoader workers' start method,
-        the fork server's preload; docs/api.md lists what stays). `with accel.prepare(...)`."""
+        the fork server's preload; docs/api.md lists what stays) and takes accel's hooks off
+        your model and optimizer, which keep what was trained. `with accel.prepare(...)`."""
         undo, self.on_close = self.on_close or (lambda: None), None
         undo()
 

@@ -20,7 +20,6 @@ from accel.backends.base import (
 from accel.backends.host_reads import quoted_error, quoted_frames, user_frame
 from accel.config import (
     AccelError,
-    ConfigError,
 )
 from accel.workers import fork_server
 
@@ -165,7 +164,7 @@ def user_errors(where: str) -> Iterator[None]:
     errors inside accel's or the libraries' own code keep their traceback."""
     try:
         yield
-    except (ConfigError, BackendUnavailable, RecompileError) as err:
+    except (AccelError, BackendUnavailable, RecompileError) as err:
         # Already one line (or the launcher's own exit), naming the user's line: raised anew
         # (contextlib puts the same object's traceback back) without the frames it came through
         # (accel's, the compiler's), which say nothing to the user.

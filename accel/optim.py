@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.lr_scheduler import LRScheduler
 
-from accel.config import ConfigError
+from accel.config import AccelError
 
 # --- a user's torch optimizer, described by parameter name ------------------------------------
 # torch.optim's classes no step of accel's can run, and why.
@@ -42,7 +42,7 @@ HYPERPARAMETERS = {
 }
 
 
-class OptimizerError(ConfigError):
+class OptimizerError(AccelError):
     """An optimizer a backend cannot run: one line, exit 2."""
 
 

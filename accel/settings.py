@@ -111,6 +111,11 @@ def settle(config: BackendConfig, env: Mapping[str, str] | None = None) -> Settl
         mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1, env, least=1))
     if min(config.step.accum, mesh.devices, mesh.tp, mesh.tp_head, mesh.pp) < 1:
         raise AccelError("accum, devices, tp, tp_head and pp must be at least 1")
+    if mesh.tp > 1 and mesh.tp_head > 1 and mesh.tp != mesh.tp_head:
+        raise AccelError(
+            f"tp={mesh.tp} and tp_head={mesh.tp_head}: the classifier splits over the "
+            "tensor-parallel ranks; give the same size"
+        )
     if config.step.clip_grad < 0:
         raise AccelError(f"clip_grad is a norm limit (0: none), got {config.step.clip_grad}")
     compiler = config.compiler

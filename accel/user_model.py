@@ -35,8 +35,18 @@ class TrainedOnRead:
 
     def __init__(self, engine: Trained, model: nn.Module):
         self.engine = weakref.ref(engine)
-        model.register_state_dict_pre_hook(self.before_state_dict)
-        model.register_forward_pre_hook(self.before_forward, with_kwargs=True)
+        self.hooks = [
+            model.register_state_dict_pre_hook(self.before_state_dict),
+            model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
+        ]
+
+    def remove(self) -> None:
+        """The trained weights copied in a last time, and the hooks taken off (Engine.close):
+        the model is a plain module again, holding what was trained."""
+        self.sync()
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     def before_state_dict(self, module: nn.Module, prefix: str, keep_vars: bool) -> None:
         self.sync()

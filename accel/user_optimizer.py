@@ -45,11 +45,23 @@ class TrainedOptimizer:
     def __init__(self, engine: Trainer, optimizer: torch.optim.Optimizer, names: list[str]):
         """`names`: parameter_names(optimizer, model), taken before the backend adopted the
         model (xla moves its parameters to the device as new ones)."""
-        self.engine, self.names = weakref.ref(engine), names
+        self.engine, self.names, self.optimizer = weakref.ref(engine), names, optimizer
         if optimizer.state:  # loaded before prepare (a resume): it goes into the engine now
             self.after_load(optimizer)
-        optimizer.register_state_dict_post_hook(self.after_state_dict)
-        optimizer.register_load_state_dict_post_hook(self.after_load)
+        self.hooks = [
+            optimizer.register_state_dict_post_hook(self.after_state_dict),
+            optimizer.register_load_state_dict_post_hook(self.after_load),
+        ]
+
+    def remove(self) -> None:
+        """The engine's state loaded into the optimizer itself, and the hooks taken off
+        (Engine.close): a plain torch optimizer again, holding the trained moments and step
+        counts (whole copies, gathered where the engine splits them)."""
+        trained = self.optimizer.state_dict()  # through after_state_dict: the engine's
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
+        self.optimizer.load_state_dict(trained)
 
     def after_state_dict(self, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
         engine = self.engine()

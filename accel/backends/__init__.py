@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supports
-from accel.config import BACKENDS, BackendConfig, ConfigError
+from accel.config import BACKENDS, AccelError, BackendConfig
 from accel.distributed import processes_joining
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
@@ -62,15 +62,15 @@ def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None)
     env = os.environ if env is None else env
     raw = env.get("USE_ACCEL", "")
     if raw.strip().lower() not in USE_ACCEL_VALUES:
-        raise ConfigError(f"USE_ACCEL must be 0, 1, true or false, got '{raw}'")
+        raise AccelError(f"USE_ACCEL must be 0, 1, true or false, got '{raw}'")
     if requested:
         if requested not in BACKENDS:
-            raise ConfigError(f"unknown backend '{requested}' (choose from {', '.join(BACKENDS)})")
+            raise AccelError(f"unknown backend '{requested}' (choose from {', '.join(BACKENDS)})")
         return requested, "asked for by name"
     named = env.get("ACCEL_BACKEND", "").strip()
     if named:
         if named not in BACKENDS:
-            raise ConfigError(f"ACCEL_BACKEND must be one of {', '.join(BACKENDS)}, got '{named}'")
+            raise AccelError(f"ACCEL_BACKEND must be one of {', '.join(BACKENDS)}, got '{named}'")
         return named, "ACCEL_BACKEND"
     if USE_ACCEL_VALUES[raw.strip().lower()]:
         if torch.cuda.is_available():
@@ -82,7 +82,7 @@ def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None)
 def backend_module(name: str, check: bool = True) -> BackendModule:
     """The module of backend `name`; with `check`, raises BackendUnavailable where it cannot run."""
     if name not in BACKENDS:
-        raise ConfigError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
+        raise AccelError(f"unknown backend '{name}' (choose from {', '.join(BACKENDS)})")
     module = REGISTRY[name]()
     if check:
         module.require()
@@ -128,15 +128,6 @@ def refusals(cfg: BackendConfig, supports: Supports) -> list[str]:
         if given[a] and given[b]
     ]
     return lines
-
-
-def check_supported(cfg: BackendConfig) -> BackendModule:
-    """The backend's module, once it is known to run here and to support every setting given."""
-    module = backend_module(cfg.backend)
-    problems = refusals(cfg, module.SUPPORTS)
-    if problems:
-        raise ConfigError(problems[0])
-    return module
 
 
 # The support table's rows: (what, in prepare's keywords; the Supports field)
@@ -191,7 +182,6 @@ __all__ = [
     "BackendUnavailable",
     "Supports",
     "backend_module",
-    "check_supported",
     "refusals",
     "resolve_backend",
     "support_matrix",

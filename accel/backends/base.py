@@ -22,7 +22,7 @@ import torch
 from accel.amp import amp_policy
 from accel.backends.host_reads import user_frame
 from accel.batches import ModelCall
-from accel.config import AMP_LEVELS, BackendConfig, ConfigError
+from accel.config import AMP_LEVELS, AccelError, BackendConfig
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 
@@ -106,13 +106,13 @@ def split_loss(out: Any) -> tuple[Any, dict[str, Any]]:
     shape = tuple(getattr(out, "shape", (None,)))
     if shape != ():
         got = f"shape {list(shape)}" if shape != (None,) else type(out).__name__
-        raise ConfigError(
+        raise AccelError(
             f"loss_fn must return a scalar tensor (a vector's .mean()), or (loss, {{name: scalar "
             f"tensor}}); it returned {got}{_called_at()}"
         )
     for name, value in extras.items():
         if tuple(getattr(value, "shape", ())) != ():
-            raise ConfigError(
+            raise AccelError(
                 f"loss_fn's extra '{name}' must be a scalar, got shape {list(value.shape)}"
                 + _called_at()
             )
@@ -214,6 +214,9 @@ class BackendBase:
         """A step that is torch's autograd follows a weight frozen between steps as torch does
         (no gradient, so no update): nothing to do."""
 
+    def release(self) -> None:
+        """Nothing of the backend's left on the user's model (Engine.close): most put none."""
+
 
 class SinceStart:
     """Process-wide counters read as what happened since the backend started: dynamo's frames,
@@ -278,6 +281,10 @@ class Backend(Protocol):
     def freeze(self, names: frozenset[str]) -> None:
         """From the next step, the held weights `names` (they no longer require a gradient)
         left as they are, as torch leaves a weight without a gradient."""
+        ...
+
+    def release(self) -> None:
+        """Remove what the backend put on the user's model (its hooks): Engine.close."""
         ...
 
     def lowered_step(

@@ -14,7 +14,7 @@ from typing import cast
 import torch
 from torch.overrides import TorchFunctionMode
 
-from accel.config import ConfigError
+from accel.config import AccelError
 
 # torch.Tensor methods that hand a value to Python (each waits for the device).
 HOST_READS = {"item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy", "cpu"}
@@ -23,7 +23,7 @@ LIBRARIES = tuple(str(Path(cast(str, m.__file__)).resolve().parent) for m in (to
 OURS = str(Path(__file__).resolve().parents[1])
 
 
-class HostRead(ConfigError):
+class HostRead(AccelError):
     """The loss reads a device value on the host: one line naming where, exit 2."""
 
 

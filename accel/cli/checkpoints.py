@@ -16,14 +16,14 @@ from typing import Any
 
 from accel.checkpoint import PARTIAL, CheckpointError, first_line, read_meta
 from accel.cli.config import RunConfig, from_dict, get_path, global_batch, resume_keys
-from accel.config import ConfigError
+from accel.config import AccelError
 from accel.engine import Engine
 
 STEP_NAME = re.compile(r"^step_(\d+)\.(pt|dcp)$")  # a checkpoint of the run's step N
 BEST_NAME = "best"  # --checkpoint_best's checkpoint, RUN/checkpoints/best.pt
 
 
-class StorageError(ConfigError):
+class StorageError(AccelError):
     """The run's folder cannot be written (full disk, permissions): one line naming the path and
     what was kept, exit 2."""
 

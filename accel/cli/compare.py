@@ -16,7 +16,7 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
-from accel.config import BACKENDS, ConfigError
+from accel.config import BACKENDS, AccelError
 from accel.report.run_records import Run, aggregate, read_steps
 from accel.report.summary import RunSummary
 from accel.report.tables import markdown_table, spread_note
@@ -41,7 +41,7 @@ def parse_backends(text: str) -> list[str]:
     backends = [b.strip() for b in text.split(",") if b.strip()]
     unknown = [b for b in backends if b not in BACKENDS]
     if unknown or len(backends) < 2:
-        raise ConfigError(f"--compare takes two or more of {', '.join(BACKENDS)}, got '{text}'")
+        raise AccelError(f"--compare takes two or more of {', '.join(BACKENDS)}, got '{text}'")
     return backends
 
 
@@ -50,12 +50,12 @@ def parse_repeats(repeats: int | None, compare: str) -> int:
     if repeats is None:
         return 1
     if not compare:
-        raise ConfigError(
+        raise AccelError(
             f"--repeats {repeats} repeats the runs of --compare: give --compare too "
             "(e.g. --compare eager,xla --repeats 3)"
         )
     if repeats < 1:
-        raise ConfigError(f"--repeats takes 1 or more runs of each backend, got {repeats}")
+        raise AccelError(f"--repeats takes 1 or more runs of each backend, got {repeats}")
     return repeats
 
 

@@ -28,7 +28,7 @@ from accel.config import (
     PP_SCHEDULES,
     REMAT_CHOICES,
     SHARD_MODES,
-    ConfigError,
+    AccelError,
     shared_compile_cache,
 )
 
@@ -337,10 +337,10 @@ def check_ranges(cfg: RunConfig) -> None:
             continue
         choices = meta.get("choices")
         if choices and value not in choices:
-            raise ConfigError(f"{flag_of(path, f)}: '{value}' is not one of {', '.join(choices)}")
+            raise AccelError(f"{flag_of(path, f)}: '{value}' is not one of {', '.join(choices)}")
         problem = _range_error(flag_of(path, f), value, meta)
         if problem:
-            raise ConfigError(problem)
+            raise AccelError(problem)
 
 
 def check_combinations(cfg: RunConfig) -> None:
@@ -348,15 +348,10 @@ def check_combinations(cfg: RunConfig) -> None:
     par = cfg.parallel
     procs = par.nnodes * par.nproc_per_node
     if cfg.steps is not None and cfg.epochs is not None:
-        raise ConfigError("give --steps or --epochs, not both")
+        raise AccelError("give --steps or --epochs, not both")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
-        raise ConfigError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
-    if par.tp > 1 and par.tp_head > 1 and par.tp != par.tp_head:
-        raise ConfigError(
-            f"--tp {par.tp} and --tp_head {par.tp_head}: the classifier splits over the "
-            "tensor-parallel ranks; give the same size"
-        )
-    tp = max(par.tp, par.tp_head)
+        raise AccelError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
+    tp = max(par.tp, par.tp_head)  # tp against tp_head: accel.settle
     split = tp * par.pp
     if split > 1 and procs % split:
         where = f" x --nnodes {par.nnodes}" if par.nnodes > 1 else ""
@@ -364,18 +359,18 @@ def check_combinations(cfg: RunConfig) -> None:
         sizes = " x ".join(
             f"{flag} {size}" for flag, size in ((tp_flag, tp), ("--pp", par.pp)) if size > 1
         )
-        raise ConfigError(
+        raise AccelError(
             f"--nproc_per_node {par.nproc_per_node}{where} is not divisible by {sizes}"
         )
     if par.nnodes > 1 and not (par.master_addr or par.rdzv_endpoint):
-        raise ConfigError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
+        raise AccelError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
     if par.nnodes > 1 and not cfg.run_name:
-        raise ConfigError("--nnodes > 1: give every node the same --run_name")
+        raise AccelError("--nnodes > 1: give every node the same --run_name")
     if par.node_rank >= par.nnodes:
-        raise ConfigError(f"--node_rank {par.node_rank} is not below --nnodes {par.nnodes}")
+        raise AccelError(f"--node_rank {par.node_rank} is not below --nnodes {par.nnodes}")
     check_training_options(cfg)
     if par.pp > 1 and cfg.batch_size % par.pp_microbatches:
-        raise ConfigError(
+        raise AccelError(
             f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "
             f"{par.pp_microbatches}"
         )
@@ -386,22 +381,22 @@ def check_training_options(cfg: RunConfig) -> None:
     data, model = cfg.data, cfg.model
     for flag, (low, high) in (("--scale", data.scale), ("--ratio", data.ratio)):
         if low > high:
-            raise ConfigError(f"{flag} {low} {high}: the first value is the lower bound")
+            raise AccelError(f"{flag} {low} {high}: the first value is the lower bound")
     if data.reprob > 0 and cfg.parallel.pp > 1:
-        raise ConfigError("--reprob with --pp: random erasing is not part of the pipeline stages")
+        raise AccelError("--reprob with --pp: random erasing is not part of the pipeline stages")
     if model.pretrained and model.pretrained_path:
-        raise ConfigError("give --pretrained or --pretrained_path, not both")
+        raise AccelError("give --pretrained or --pretrained_path, not both")
     if cfg.eval_only and not (cfg.resume or model.pretrained or model.pretrained_path):
-        raise ConfigError("--eval_only evaluates --resume's checkpoint or --pretrained(_path)")
+        raise AccelError("--eval_only evaluates --resume's checkpoint or --pretrained(_path)")
     if not cfg.save and cfg.save_every:
-        raise ConfigError(f"--no-save with --save_every {cfg.save_every}: give one or the other")
+        raise AccelError(f"--no-save with --save_every {cfg.save_every}: give one or the other")
     if cfg.checkpoint_best and not (cfg.eval or cfg.eval_every):
-        raise ConfigError(
+        raise AccelError(
             f"--checkpoint_best {cfg.checkpoint_best} with --no-eval and no --eval_every: "
             "no evaluation picks a best"
         )
     if cfg.checkpoint_best and not cfg.save:
-        raise ConfigError("--checkpoint_best with --no-save: give one or the other")
+        raise AccelError("--checkpoint_best with --no-save: give one or the other")
 
 
 def validate(cfg: RunConfig) -> None:

@@ -33,7 +33,7 @@ from accel.cli.models.pretrained import PretrainedError  # noqa: E402
 from accel.cli.options import build_parser, config_from_args  # noqa: E402
 from accel.cli.resolve import resolve  # noqa: E402
 from accel.cli.signals import NonFiniteLoss, TrainingStopped  # noqa: E402
-from accel.config import ConfigError  # noqa: E402
+from accel.config import AccelError  # noqa: E402
 from accel.distributed import (  # noqa: E402
     destroy_process_group,
     first_difference,
@@ -43,7 +43,7 @@ from accel.distributed import (  # noqa: E402
 from accel.workers.lifetime import exit_with_parent  # noqa: E402
 
 USER_ERRORS = (
-    ConfigError,
+    AccelError,
     BackendUnavailable,
     ModelError,
     PretrainedError,
@@ -154,7 +154,7 @@ def same_everywhere(cfg: RunConfig) -> None:
     mine = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in local}
     difference = first_difference(mine)
     if difference:
-        raise ConfigError(f"the ranks were started with different options: {difference}")
+        raise AccelError(f"the ranks were started with different options: {difference}")
 
 
 def train_here(cfg: RunConfig) -> RunConfig:

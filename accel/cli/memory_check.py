@@ -11,7 +11,7 @@ import torch
 
 from accel.cli.config import RunConfig
 from accel.cli.models.factory import create_model
-from accel.config import ConfigError
+from accel.config import AccelError
 
 GIB = 2**30
 
@@ -70,7 +70,7 @@ def check_memory(cfg: RunConfig, replicas: str, on_gpu: bool) -> None:
         need = held * procs
     if have is None or need <= have:
         return
-    raise ConfigError(
+    raise AccelError(
         f"not enough memory: {cfg.model.name}'s weights, gradients and AdamW state take "
         f"{need / GIB:.1f} GiB here ({procs} process(es)), {have / GIB:.1f} GiB {where}; "
         "use --shard full, --pp, a lower --amp_level or fewer processes"

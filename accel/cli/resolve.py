@@ -25,7 +25,7 @@ from accel.cli.models.factory import check_input_size, check_model_name, create_
 from accel.cli.models.pretrained import fit, read_state_dict, source_of
 from accel.cli.recipes import describe
 from accel.cli.runs import check_free, latest_resumable, new_run_name
-from accel.config import ConfigError
+from accel.config import AccelError
 from accel.parallel import ParallelDims, is_vit, resolve_plan, stages_per_rank
 
 
@@ -34,19 +34,19 @@ def check_data(cfg: RunConfig) -> int:
     found = folder_num_classes(cfg.data)  # raises DatasetError for a missing or empty folder
     given = cfg.model.num_classes
     if found is not None and given is not None and given != found:
-        raise ConfigError(f"--num_classes {given} disagrees with the {found} class folders")
+        raise AccelError(f"--num_classes {given} disagrees with the {found} class folders")
     classes = found if found is not None else given or 10
     if classes < 2:
-        raise ConfigError(f"{cfg.data.source} has {classes} class folder: training needs 2 or more")
+        raise AccelError(f"{cfg.data.source} has {classes} class folder: training needs 2 or more")
     length = cfg.data.synthetic_length if found is None else count_images(cfg.data.source)
     if cfg.data.aug_repeats > 1 and length < data_replicas(cfg):
-        raise ConfigError(
+        raise AccelError(
             f"--aug_repeats: {length} training images cannot be spread over "
             f"{data_replicas(cfg)} data-parallel ranks"
         )
     needed = cfg.batch_size * data_replicas(cfg)
     if length < needed:
-        raise ConfigError(
+        raise AccelError(
             f"the training set holds {length} images, fewer than one global batch ({needed})"
         )
     return classes
@@ -65,10 +65,10 @@ def check_model(cfg: RunConfig) -> None:
     if par.pp < 2:
         return
     if not is_vit(vit):
-        raise ConfigError(f"--pp cuts ViT-style models by blocks; {cfg.model.name} is not one")
+        raise AccelError(f"--pp cuts ViT-style models by blocks; {cfg.model.name} is not one")
     stages = par.pp * stages_per_rank(par.pp_schedule)
     if stages > len(vit.blocks):
-        raise ConfigError(
+        raise AccelError(
             f"--pp {par.pp} ({par.pp_schedule}) needs {stages} stages, "
             f"{cfg.model.name} has {len(vit.blocks)} blocks"
         )
@@ -101,7 +101,7 @@ def check_gpu_count(cfg: RunConfig, replicas: str) -> None:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     procs = cfg.parallel.nproc_per_node
     if replicas == "processes" and gpus and procs > gpus:
-        raise ConfigError(f"--nproc_per_node {procs} exceeds the {gpus} visible GPUs")
+        raise AccelError(f"--nproc_per_node {procs} exceeds the {gpus} visible GPUs")
 
 
 def resolve_decode_on(cfg: RunConfig, gpu_decoding: bool = True) -> tuple[str, str | None]:
@@ -119,7 +119,7 @@ def resolve_decode_on(cfg: RunConfig, gpu_decoding: bool = True) -> tuple[str, s
     else:
         reason = None
     if reason and data.data_device == "gpu":
-        raise ConfigError(f"--data_device gpu: {reason}")
+        raise AccelError(f"--data_device gpu: {reason}")
     if reason:
         return "workers", None
     from accel.cli.data.jpeg_decoders import decoding_error
@@ -144,14 +144,14 @@ def check_resume(cfg: RunConfig) -> None:
     """The checkpoint to resume exists, is ours, and fits this job (the world size aside: a
     checkpoint loads at any, with a warning)."""
     if cfg.resume and cfg.resume != "auto" and not Path(cfg.resume).exists():
-        raise ConfigError(f"--resume: checkpoint not found: {cfg.resume}")
+        raise AccelError(f"--resume: checkpoint not found: {cfg.resume}")
     path = cfg.resume if cfg.resume != "auto" else latest_checkpoint(cfg.run_dir())
     if not path:
         return
     meta = read_meta(Path(path))
     problems = resume_mismatches(saved_config(meta), cfg, 0, 0)
     if problems:
-        raise ConfigError(f"cannot resume from {path}: {'; '.join(problems)}")
+        raise AccelError(f"cannot resume from {path}: {'; '.join(problems)}")
 
 
 IMAGE_AUGMENTATION = ("scale", "ratio", "hflip", "vflip", "color_jitter", "aa")
@@ -186,7 +186,7 @@ def check_output(cfg: RunConfig) -> None:
     for parent in (Path(cfg.output), *Path(cfg.output).parents):
         if parent.exists():
             if not parent.is_dir():
-                raise ConfigError(f"--output {cfg.output}: {parent} is a file, not a folder")
+                raise AccelError(f"--output {cfg.output}: {parent} is a file, not a folder")
             return
 
 
@@ -207,13 +207,13 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
     backend's settings are checked by accel.settle, as a script's are by prepare."""
     validate(cfg)
     check_augment(cfg.data)
-    backend, why = accel.choose_backend(cfg.backend, env)
+    backend, why = accel.resolve_backend(cfg.backend, env)
     cfg = jax_hosts(dataclasses.replace(cfg, backend=backend), env)
     notes = [f"backend {backend} ({why})"]
     supports = accel.settle(backend_config(cfg), env).supports
     # --data_device gpu hands the backend batches decoded on the CUDA device.
     if cfg.data.data_device == "gpu" and not supports.cuda_batches:
-        raise ConfigError(
+        raise AccelError(
             f"--data_device gpu is not supported by the {backend} backend (launch_single_task "
             "--backends shows what each backend runs)"
         )

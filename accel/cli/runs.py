@@ -9,12 +9,12 @@ import os
 from datetime import datetime
 from pathlib import Path
 
-from accel.config import ConfigError
+from accel.config import AccelError
 
 LOCK = ".lock"
 
 
-class RunInUse(ConfigError):
+class RunInUse(AccelError):
     """Another live run writes into this folder: one line, exit 2."""
 
 

@@ -41,7 +41,7 @@ from accel.cli.metrics import (
 from accel.cli.models.factory import input_size
 from accel.cli.runs import RunLock
 from accel.cli.signals import NonFiniteLoss, TrainingStopped, stop_on_signals
-from accel.config import ConfigError
+from accel.config import AccelError
 from accel.distributed import all_gather_ints
 from accel.engine import Engine
 from accel.report.summary import RunSummary
@@ -181,7 +181,7 @@ class TrainData:
         )  # fmt: skip
         per_epoch = len(cast(Sized, loader.batch_sampler)) // cfg.optim.grad_accum
         if per_epoch < 1:
-            raise ConfigError("an epoch holds fewer batches than --grad_accum")
+            raise AccelError("an epoch holds fewer batches than --grad_accum")
         # resolve() settles --epochs where --steps is not given
         return cls(loader, host_batch, per_epoch, cfg.steps or cast(int, cfg.epochs) * per_epoch)
 

@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from accel.config import ConfigError
+from accel.config import AccelError
 
 Region = tuple[slice, ...]
 
@@ -134,7 +134,7 @@ def is_meta(model: nn.Module) -> bool:
 def builder(init: Callable[[], nn.Module] | None) -> Callable[[], nn.Module]:
     """`init`, which a model on the meta device needs to get its starting values."""
     if init is None:
-        raise ConfigError(
+        raise AccelError(
             "the model is on the meta device: give prepare(..., init=FN), FN building it with "
             "its starting values"
         )

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any, cast
 
-from accel.config import ConfigError, MeshConfig, ShardMode
+from accel.config import AccelError, MeshConfig, ShardMode
 from accel.parallel import effective_shard
 
 
@@ -47,15 +47,10 @@ class ParallelDims:
     @classmethod
     def of(cls, mesh: MeshConfig, world: int) -> ParallelDims:
         """The layout of `world` ranks (processes or devices) the config asks for; refused in one
-        line where the sizes do not fit together."""
-        if mesh.tp > 1 and mesh.tp_head > 1 and mesh.tp != mesh.tp_head:
-            raise ConfigError(
-                f"tp={mesh.tp} and tp_head={mesh.tp_head}: the classifier splits over the "
-                "tensor-parallel ranks; give the same size"
-            )
+        line where the sizes do not fit together (tp against tp_head: accel.settle)."""
         tp = max(mesh.tp, mesh.tp_head)
         if world % (tp * mesh.pp):
-            raise ConfigError(
+            raise AccelError(
                 f"{world} ranks are not divisible by tp={tp} x pp={mesh.pp} (= {tp * mesh.pp})"
             )
         dp = world // (tp * mesh.pp)

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.config import REMAT_CHOICES, ConfigError, RematChoice
+from accel.config import REMAT_CHOICES, AccelError, RematChoice
 
 # Ops whose outputs "dots" keeps: the matrix multiplications without a batch dimension, as jax's
 # dots_with_no_batch_dims_saveable keeps them (a linear layer's; attention's batched ones are
@@ -52,7 +52,7 @@ def remat_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         for child, module in model.get_submodule(n).named_children()
     ]
     if not found:
-        raise ConfigError(
+        raise AccelError(
             f"remat: {type(model).__name__} repeats no block (a ModuleList or Sequential of "
             "two or more modules of one class) whose activations could be recomputed"
         )

@@ -39,7 +39,7 @@ from typing import Literal, get_args
 
 from torch import nn
 
-from accel.config import ConfigError
+from accel.config import AccelError
 
 TpStyle = Literal["colwise", "rowwise", "colwise_gather", "rowwise_whole", "replicate"]
 TP_STYLES: tuple[str, ...] = get_args(TpStyle)
@@ -93,30 +93,30 @@ def resolve_plan(model: nn.Module, given: Mapping[str, str] | None, tp: int) -> 
     plan: Plan = {}
     for pattern, style in (given if given is not None else found_plan(model)).items():
         if style not in TP_STYLES:
-            raise ConfigError(
+            raise AccelError(
                 f"tp_plan['{pattern}']: '{style}' is not one of {', '.join(TP_STYLES)}"
             )
         names = [n for n in modules if fnmatch.fnmatchcase(n, pattern)]
         if not names:
-            raise ConfigError(f"tp_plan: '{pattern}' names no module of {type(model).__name__}")
+            raise AccelError(f"tp_plan: '{pattern}' names no module of {type(model).__name__}")
         for name in names:
             if style != "replicate":
                 plan[name] = style  # type: ignore[assignment]  # checked against TP_STYLES
     for name, style in plan.items():
         layer = modules[name]
         if not isinstance(layer, nn.Linear):
-            raise ConfigError(
+            raise AccelError(
                 f"tp_plan: '{name}' is a {type(layer).__name__}; tensor parallelism splits "
                 "nn.Linear layers"
             )
         features = layer.out_features if style.startswith("colwise") else layer.in_features
         side = "output" if style.startswith("colwise") else "input"
         if features % tp:
-            raise ConfigError(
+            raise AccelError(
                 f"tp {tp}: '{name}' has {features} {side} features, not divisible by {tp}"
             )
     if not plan:
-        raise ConfigError(
+        raise AccelError(
             f"tp: {type(model).__name__} has no block accel knows how to split (timm's or "
             "torchvision's ViT and Swin); give tp_plan={module name: 'colwise' | 'rowwise'}"
         )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import accel
-from accel.config import ConfigError
+from accel.config import AccelError
 from tests import api_tensor_parallel
 from tests.api_tensor_parallel import MlpNet, build
 from tests.helpers import (
@@ -146,7 +146,7 @@ def test_a_users_model_split_by_tensors_trains_the_one_process_losses(model, tmp
 # --- refusals ------------------------------------------------------------------------------------
 def _refused(**kwargs) -> str:
     model = MlpNet()
-    with pytest.raises(ConfigError) as err:
+    with pytest.raises(AccelError) as err:
         accel.prepare(model, torch.optim.AdamW(model.parameters()), api_loss_fn, quiet=True,
                       **kwargs)  # fmt: skip
     assert "\n" not in str(err.value)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from accel.amp import amp_policy
-from accel.config import ConfigError
+from accel.config import AccelError
 from tests.helpers import backend_tensors, job_backend, micro_config
 
 
@@ -63,5 +63,5 @@ def test_o2_steps_update_the_low_precision_model_from_fp32_masters(tmp_path):
 def test_o3_warns_and_unknown_levels_are_refused():
     with pytest.warns(UserWarning, match="may cost accuracy"):
         amp_policy("O3")
-    with pytest.raises(ConfigError, match="unknown AMP level"):
+    with pytest.raises(AccelError, match="unknown AMP level"):
         amp_policy("O4")

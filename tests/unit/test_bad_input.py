@@ -63,6 +63,12 @@ CASES = [
     (["--data", "/nonexistent/imagenet"], {}, ["dataset folder not found"]),
     (["--data_device", "gpu"], {}, ["--data_device gpu"]),
     (["--nproc_per_node", "3", "--tp_head", "2"], {}, ["--nproc_per_node 3", "--tp_head 2"]),
+    # accel.settle's rule, in the command line's words
+    (
+        ["--nproc_per_node", "4", "--tp", "2", "--tp_head", "4"],
+        {},
+        ["--tp 2 and --tp_head 4", "give the same size"],
+    ),
     (
         ["--nproc_per_node", "2", "--tp_head", "2", "--shard", "full"],
         {},

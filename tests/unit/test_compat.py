@@ -170,7 +170,7 @@ def test_torchs_mark_of_a_stepped_optimizer_still_quiets_its_schedulers_warning(
 
 
 def test_the_hook_dicts_prepare_reads_exist():
-    """accel/api.py's check_hooks reads a module's and a tensor's backward hooks from torch's
+    """accel/checks.py's check_hooks reads a module's and a tensor's backward hooks from torch's
     own dicts (no public API lists them): a rename would let a hook through unrefused."""
     module = torch.nn.Linear(2, 2)
     assert not module._backward_hooks and not module._backward_pre_hooks

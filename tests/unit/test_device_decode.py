@@ -17,7 +17,7 @@ from accel.cli.data.jpeg_decoders import decoding_error as device_decoding_error
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.data.sampling import SampleKey
 from accel.cli.resolve import resolve_decode_on
-from accel.config import ConfigError
+from accel.config import AccelError
 from tests.helpers import dirty_mock_imagenet, micro_config
 
 MIX = MixupConfig(mixup_alpha=0.8, cutmix_alpha=1.0)
@@ -133,7 +133,7 @@ def test_no_gpu_decoder_is_found_on_a_cpu_build_and_the_run_falls_back(monkeypat
 def test_data_device_gpu_where_it_cannot_work_is_refused(tmp_path, source, backend, reason):
     cfg = micro_config(tmp_path, backend=backend, source=source, data_device="gpu")
     gpu_decoding = backend != "xla"  # what the backends' Supports tables say
-    with pytest.raises(ConfigError, match=f"--data_device gpu: .*{reason}"):
+    with pytest.raises(AccelError, match=f"--data_device gpu: .*{reason}"):
         resolve_decode_on(cfg, gpu_decoding)
     cfg = replace_path(cfg, "data.data_device", "auto")
     assert resolve_decode_on(cfg, gpu_decoding) == ("workers", None)

@@ -11,7 +11,7 @@ import pytest
 import accel.cli.config
 import accel.cli.options
 from accel.cli.config import OptimConfig, RunConfig, check_ranges, option, resume_keys
-from accel.config import ConfigError
+from accel.config import AccelError
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ def test_an_option_declared_once_reaches_every_place(probe, monkeypatch):
     assert cfg.optim.probe_depth == 5 and parse().optim.probe_depth == 3
     assert json.loads(cfg.to_json())["optim"]["probe_depth"] == 5
     assert "optim.probe_depth" in resume_keys()
-    with pytest.raises(ConfigError, match="--probe_depth"):
+    with pytest.raises(AccelError, match="--probe_depth"):
         check_ranges(parse("--probe_depth", "0"))
 
 

@@ -100,7 +100,7 @@ def test_the_settled_config_says_why_its_backend_and_what_it_runs():
 
 
 def test_an_ema_function_is_compared_between_ranks_by_name():
-    from accel.api import described
+    from accel.checks import described
 
     def decay(step: int) -> float:
         return 0.9
@@ -174,4 +174,4 @@ def test_a_script_shows_its_own_line_and_prepare_only_for_each_bad_variable(tmp_
         frames = [row.strip() for row in text.splitlines() if row.startswith("  File ")]
         assert len(frames) == 2, text
         assert "train.py" in frames[0] and "in prepare" in frames[1], text
-        assert text.strip().splitlines()[-1] == f"accel.config.ConfigError: {line}"
+        assert text.strip().splitlines()[-1] == f"accel.config.AccelError: {line}"

@@ -75,13 +75,15 @@ def require() -> None:
             f"({type(error).__name__}: {error}); install a torchax release "
             "made for this torch, or a torch torchax supports"
         )
-    for name, value in RUNTIME_ENV.items():
-        os.environ.setdefault(name, value)
 
 
 def context(cfg: BackendConfig) -> DistContext:
     """One process drives its local devices; several processes (hosts) join through
-    jax.distributed into one mesh, and each feeds its own shard of the data."""
+    jax.distributed into one mesh, and each feeds its own shard of the data. JAX's client
+    starts here (its first device query): RUNTIME_ENV is set just before, not while a
+    configuration is only checked (settle)."""
+    for name, value in RUNTIME_ENV.items():
+        os.environ.setdefault(name, value)
     return join(cfg)
 
 

@@ -33,7 +33,7 @@ from accel.backends.jax.tracing import Tracer, torch_sdpa
 from accel.backends.jax.values import Precision
 from accel.backends.quiet import quiet_imports
 from accel.batches import ModelCall
-from accel.config import BackendConfig, ConfigError
+from accel.config import AccelError, BackendConfig
 from accel.distributed import DistContext
 from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
@@ -157,7 +157,7 @@ class JaxBackend(BackendBase):
     def freeze(self, names: frozenset[str]) -> None:
         thawed = self.step.frozen - names
         if thawed and self.state.optimizer.spec.kind != "SGD":
-            raise ConfigError(
+            raise AccelError(
                 f"{sorted(thawed)[0]} requires a gradient again: the jax backend keeps one "
                 f"{self.state.optimizer.spec.kind} step count a param group, which went on while "
                 "it was frozen (torch's stopped): call accel.prepare again after unfreezing it, "

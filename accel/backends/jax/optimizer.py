@@ -12,7 +12,7 @@ import torch
 
 from accel.backends.jax.torch_optax import RULES, TorchOptState, slots_of, torch_update
 from accel.backends.jax.values import host_value, to_jax, to_torch
-from accel.config import ConfigError
+from accel.config import AccelError
 from accel.optim import OptimizerSpec, followed_values
 
 
@@ -30,13 +30,13 @@ class OptaxGroups:
 
     def __init__(self, spec: OptimizerSpec):
         if spec.kind not in TRANSLATED:
-            raise ConfigError(
+            raise AccelError(
                 f"the jax backend has no optax translation of torch.optim.{spec.kind} (it "
                 f"translates {', '.join(TRANSLATED)}): use the eager, compile or xla backend"
             )
         refused = spec.refusals(translatable=True)
         if refused:
-            raise ConfigError(
+            raise AccelError(
                 f"the jax backend has no optax translation of {spec.kind} with "
                 f"{', '.join(refused)}: use the eager, compile or xla backend"
             )
@@ -161,7 +161,7 @@ def check_beta2(built: float, now: float) -> None:
     which loses half its digits at 0.999 (torch computes it in float64). A scheduler that
     changes it is refused in one line."""
     if now != built:
-        raise ConfigError(
+        raise AccelError(
             f"the jax backend keeps Adam's beta2 as the optimizer was built ({built}); your "
             f"scheduler changed it to {now}: schedule beta1 only, or train on eager, compile "
             "or xla"

@@ -20,7 +20,7 @@ from jax.sharding import PartitionSpec as P
 from accel.backends.base import Batch
 from accel.backends.jax.torchax_compat import not_an_accelerator, removed_ops
 from accel.backends.quiet import quiet_imports
-from accel.config import BackendConfig, ConfigError
+from accel.config import AccelError, BackendConfig
 from accel.distributed import DistContext
 from accel.parallel.mesh import Axis, ParallelDims
 
@@ -66,7 +66,7 @@ def coordination() -> tuple[str, int, int] | None:
         return None
     if not all(found.values()):
         missing = ", ".join(n for n, v in found.items() if not v)
-        raise ConfigError(
+        raise AccelError(
             f"multi-process jax needs all of {', '.join(COORDINATION)}: {missing} unset"
         )
     given = cast(dict[str, str], found)  # all set: checked above
@@ -90,12 +90,12 @@ def join(cfg: BackendConfig) -> DistContext:
                 address, processes, process, initialization_timeout=cfg.mesh.rdzv_timeout
             )
         except Exception as err:  # JAX raises XlaRuntimeError / RuntimeError subclasses here
-            raise ConfigError(
+            raise AccelError(
                 f"jax process {process} of {processes} could not join the coordinator at "
                 f"{address} within {cfg.mesh.rdzv_timeout} s ({str(err).splitlines()[0]})"
             ) from None
         if jax.process_count() != processes:
-            raise ConfigError(f"{processes} jax processes asked for, {jax.process_count()} joined")
+            raise AccelError(f"{processes} jax processes asked for, {jax.process_count()} joined")
     return DistContext(jax.process_index(), 0, jax.process_count())
 
 
@@ -142,7 +142,7 @@ class Runtime:
         self.prefetch = cfg.compiler.device_prefetch
         devices = jax.devices() if jax.process_count() > 1 else jax.local_devices()
         if cfg.mesh.devices > jax.local_device_count():
-            raise ConfigError(
+            raise AccelError(
                 f"devices={cfg.mesh.devices} exceeds the {jax.local_device_count()} local JAX "
                 "devices (on CPU, XLA_FLAGS's xla_force_host_platform_device_count=N sets them)"
             )

@@ -31,7 +31,7 @@ from torch.overrides import TorchFunctionMode
 
 import accel.backends.jax.runtime as runtime
 from accel.backends.jax.values import to_jax
-from accel.config import ConfigError
+from accel.config import AccelError
 
 # Functions that describe a tensor rather than compute one: no read of a weight, nothing to cut.
 METADATA = {"__get__", "size", "dim", "numel", "__len__", "ndimension", "nelement"}
@@ -175,7 +175,7 @@ def refuse_reentrant_checkpoint(cls: type) -> None:
     from torch.utils.checkpoint import CheckpointFunction
 
     if cls is CheckpointFunction:
-        raise ConfigError(
+        raise AccelError(
             "torch.utils.checkpoint(..., use_reentrant=True) cannot run in the jax backend's "
             "traced step: pass use_reentrant=False (the same gradients, and what torch "
             "recommends), or have accel recompute the blocks (prepare's remat)"
@@ -298,7 +298,7 @@ class PythonState:
         change = self.changed()
         if change is not None:
             where, value, now = change
-            raise ConfigError(
+            raise AccelError(
                 f"the jax backend traces {self.label}'s forward once, and its forward changes "
                 f"{where} at every call ({value!r} to {now!r}): that change would happen once, "
                 "not at every step as on eager; keep such state in a tensor (a buffer: "

@@ -12,14 +12,14 @@ import numpy as np
 import torch
 
 from accel.amp import AmpPolicy
-from accel.config import ConfigError
+from accel.config import AccelError
 
 
 def jnp_dtype(dtype: torch.dtype) -> jnp.dtype:
     """The one place a torch dtype becomes a jnp one (JAX refuses torch dtypes in astype)."""
     table = {torch.float32: jnp.float32, torch.bfloat16: jnp.bfloat16, torch.float16: jnp.float16}
     if dtype not in table:
-        raise ConfigError(f"the jax backend has no {dtype} floating-point mode")
+        raise AccelError(f"the jax backend has no {dtype} floating-point mode")
     return jnp.dtype(table[dtype])
 
 

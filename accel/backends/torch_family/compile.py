@@ -13,7 +13,7 @@ import torch
 from accel.backends.base import SinceStart, Supports
 from accel.backends.torch_family import eager
 from accel.backends.torch_family.eager import EagerBackend
-from accel.config import BackendConfig, ConfigError
+from accel.config import AccelError, BackendConfig
 from accel.distributed import DistContext, env_context
 
 SUPPORTS = Supports(
@@ -64,7 +64,7 @@ def refuse_reentrant_checkpoint(graph: torch.fx.GraphModule) -> None:
     checkpoint = torch.ops.higher_order.tag_activation_checkpoint
     for node in graph.graph.nodes:
         if node.target is checkpoint and node.kwargs.get("use_reentrant"):
-            raise ConfigError(REENTRANT_CHECKPOINT)
+            raise AccelError(REENTRANT_CHECKPOINT)
 
 
 class Inductor:
@@ -96,7 +96,7 @@ class Inductor:
                 # dynamo wraps what a backend raises (BackendCompilerFailed): accel's own
                 # refusal is the user's line, not a compiler failure.
                 refused = getattr(failed, "inner_exception", None)
-                if isinstance(refused, ConfigError):
+                if isinstance(refused, AccelError):
                     raise refused from None
                 raise
 

@@ -33,7 +33,7 @@ from accel.backends.torch_family.core import TorchCore
 from accel.backends.torch_family.head import SplitHead
 from accel.backends.torch_family.layout import ForwardLoss, Layout, remat
 from accel.backends.torch_family.stages import Stages
-from accel.config import BackendConfig, ConfigError
+from accel.config import AccelError, BackendConfig
 from accel.losses import ClassificationBatches, SoftTargetBatches, SoftTargetParts
 from accel.parallel import fsdp, pipeline, tensor_parallel, tp_head
 from accel.parallel.materialize import (
@@ -78,7 +78,7 @@ class SplitLayout(Layout):
             if self.dims.tp_head:
                 tp_head.linear_classifier(model)
         except ValueError as e:
-            raise ConfigError(str(e)) from None
+            raise AccelError(str(e)) from None
         remat(model, self.cfg.step.remat)  # the meta model, which becomes this rank's part
         modules = self.materialize(model, init)
         self.module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
@@ -139,7 +139,7 @@ class SplitLayout(Layout):
         if not (self.dims.pp > 1 or self.dims.tp_head):
             return loss_fn
         if not isinstance(loss_fn, SoftTargetBatches):
-            raise ConfigError(
+            raise AccelError(
                 f"{self.what()} trains a loss that gives accel.losses.SoftTargetBatches (the "
                 "soft-target cross-entropy of the logits, which it computes its own way, and "
                 "soft_target_parts(batch)), as accel.losses.SoftTargetLoss does"
@@ -200,7 +200,7 @@ class SplitLayout(Layout):
         if self.head is None and self.stages is None:
             return self.module, metric_fn
         if not isinstance(metric_fn, ClassificationBatches):
-            raise ConfigError(
+            raise AccelError(
                 f"{self.what()} evaluates a metric that gives accel.losses.ClassificationBatches"
                 " (the loss, top-1 and top-5 sums, which it computes its own way, and "
                 "classification_parts(batch)), as accel.losses.ClassificationSums does"
@@ -217,9 +217,9 @@ class SplitLayout(Layout):
 
     def inference(self) -> nn.Module:
         if self.stages is not None:
-            raise ConfigError("a pipeline's stages are on different ranks: use evaluate")
+            raise AccelError("a pipeline's stages are on different ranks: use evaluate")
         if self.head is not None:
-            raise ConfigError("a split classifier's logits are split over ranks: use evaluate")
+            raise AccelError("a split classifier's logits are split over ranks: use evaluate")
         return self.module
 
     def attached(self, core: TorchCore) -> None:

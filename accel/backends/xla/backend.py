@@ -93,6 +93,13 @@ class XlaBackend(BackendBase):
         self.layout.place_state()
         self.step.adopt(loss_fn)
 
+    def release(self) -> None:
+        """The hooks that made the model read as a host model removed (Engine.close): it stays
+        on the XLA device it trained on, its state_dict() the device's tensors."""
+        for handle in self.layout.hooks:
+            handle.remove()
+        self.layout.hooks = []
+
     # --- what its parts do -----------------------------------------------------------------------
     def device_batches(self, batches: Iterable[Batch]) -> Iterator[Any]:
         return self.batches.device_batches(batches)

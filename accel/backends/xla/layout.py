@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from accel.backends.torch_family.core import TorchCore
 from accel.backends.torch_family.first_state import init_optimizer_state
@@ -21,13 +22,13 @@ from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.ties import retie, tied_names
 
 
-def host_readable(model: nn.Module) -> None:
+def host_readable(model: nn.Module) -> list[RemovableHandle]:
     """The model trained on the XLA device reads as a host model: its state_dict() gives CPU
     copies, which safetensors (a Hugging Face model's save_pretrained), torch.save and numpy
     can read (an XLA tensor has no storage they can), a tensor held under two names one copy.
     `state_dict(keep_vars=True)` (what the backend and torch itself read) keeps the device's
     tensors. Torch's public state_dict hooks, on the model itself (functions: torch marks each
-    hook it is given)."""
+    hook it is given); their handles returned, for Engine.close to remove."""
     keep_vars = [False]
 
     def before(module: nn.Module, prefix: str, keep: bool) -> None:
@@ -41,8 +42,7 @@ def host_readable(model: nn.Module) -> None:
             if isinstance(value, torch.Tensor) and value.device.type == "xla":
                 state[name] = copies.setdefault(id(value), value.cpu())
 
-    model.register_state_dict_pre_hook(before)
-    model.register_state_dict_post_hook(after)
+    return [model.register_state_dict_pre_hook(before), model.register_state_dict_post_hook(after)]
 
 
 class XlaLayout:
@@ -51,6 +51,7 @@ class XlaLayout:
     def __init__(self, mesh: MeshConfig, devices: XlaDevices, core: TorchCore):
         self.tp_plan, self.devices, self.core = mesh.tp_plan, devices, core
         self.splits: dict[str, int] = {}  # split parameter name -> its axis along `tp`
+        self.hooks: list[RemovableHandle] = []  # on the user's model: host_readable's
 
     def place(self, model: nn.Module, dtype: torch.dtype) -> None:
         """`model` on the device in `dtype`, its weights split as the mesh says: `module` the
@@ -61,7 +62,7 @@ class XlaLayout:
         self.module = self.forward_module = model.to(devices.device, dtype=dtype)
         # Moving to the XLA device gives each module a new parameter: tied weights split.
         retie(self.module, aliases)
-        host_readable(self.module)
+        self.hooks = host_readable(self.module)
         if devices.ctx.distributed:  # every replica starts from replica 0's weights
             xm.broadcast_master_param(self.module)
         if devices.tp > 1:  # names as the module trained has them (it is never wrapped with tp)

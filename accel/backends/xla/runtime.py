@@ -17,7 +17,7 @@ import torch
 
 from accel.backends.base import BackendUnavailable
 from accel.backends.quiet import quiet_imports
-from accel.config import BackendConfig, ConfigError, MeshConfig
+from accel.config import AccelError, BackendConfig, MeshConfig
 from accel.distributed import DistContext, env_context, launched_by_torchrun
 from accel.parallel.mesh import ParallelDims
 
@@ -81,7 +81,7 @@ def check_tp(mesh: MeshConfig) -> None:
     one (devices=1; several processes are refused by SUPPORTS.one_process)."""
     if mesh.tp < 2 or mesh.devices > 1:
         return
-    raise ConfigError(
+    raise AccelError(
         f"tp={mesh.tp} on xla splits the devices of the SPMD mesh one process drives: give "
         f"devices=N, N a multiple of {mesh.tp}; devices={mesh.devices}"
     )
@@ -93,7 +93,7 @@ def start_spmd(devices: int) -> None:
     if runs_on_cpu():
         have = os.environ.setdefault("CPU_NUM_DEVICES", str(devices))
         if int(have) < devices:
-            raise ConfigError(
+            raise AccelError(
                 f"devices={devices} needs {devices} XLA CPU devices, CPU_NUM_DEVICES is {have}"
             )
     if not xr.is_spmd():  # prepare may run again in the same process
@@ -106,7 +106,7 @@ def start_spmd(devices: int) -> None:
         maybe_get_torchax()
     found = xr.global_runtime_device_count()
     if found < devices:
-        raise ConfigError(f"devices={devices}: the XLA runtime sees {found} devices")
+        raise AccelError(f"devices={devices}: the XLA runtime sees {found} devices")
 
 
 def check_autograd(device: torch.device) -> None:
@@ -120,7 +120,7 @@ def check_autograd(device: torch.device) -> None:
     except RuntimeError as err:
         if "device_ready_queues_" not in str(err):
             raise
-        raise ConfigError(
+        raise AccelError(
             "the xla backend must start before the first backward of the process (torch's "
             "autograd engine ran one on the CPU before XLA's runtime started, and has no queue "
             "for XLA now): call accel.prepare(..., backend='xla') or torch_xla.device() before "

@@ -21,7 +21,7 @@ from accel.backends.xla.compiles import XlaCompiles
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.layout import XlaLayout
 from accel.batches import ModelCall
-from accel.config import BackendConfig, ConfigError
+from accel.config import AccelError, BackendConfig
 
 
 class XlaStep:
@@ -78,7 +78,7 @@ class XlaStep:
                 raise
             frame = user_frame(traceback.extract_tb(err.__traceback__))
             where = f" at {frame.filename}:{frame.lineno} ({frame.line})" if frame else ""
-            raise ConfigError(
+            raise AccelError(
                 f"torch.utils.checkpoint{where} does not run on the xla backend (torch's "
                 "checkpoint finds no XLA device module): train this model on eager, compile "
                 "or jax, or without the checkpoint"
