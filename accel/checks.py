@@ -40,7 +40,7 @@ def check_model(
             "one): there is nothing to train"
         )
     check_float32(model)
-    check_hooks(model, settled.supports.gradient_hooks, config.backend)
+    check_hooks(model, settled.supports.gradient_hooks, settled.backend)
     splits: dict[str, int] = {}
     if config.mesh.tp > 1:  # what splits, refused in one line before anything is built
         splits = weight_splits(model, resolve_plan(model, config.mesh.tp_plan, config.mesh.tp))

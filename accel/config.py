@@ -117,7 +117,7 @@ class CompilerConfig:
 class BackendConfig:
     """Everything a backend is built from: its name and the three component configs."""
 
-    backend: BackendName
+    backend: BackendName | None = None  # None: not settled yet (accel.settle chooses it)
     step: StepConfig = field(default_factory=StepConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
     compiler: CompilerConfig = field(default_factory=CompilerConfig)

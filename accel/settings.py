@@ -18,7 +18,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from accel.backends import backend_module, refusals, resolve_backend
 from accel.backends.base import BackendModule, Supports
@@ -30,6 +30,7 @@ from accel.config import (
     SHARD_MODES,
     AccelError,
     BackendConfig,
+    BackendName,
     StepConfig,
     shared_compile_cache,
 )
@@ -65,7 +66,7 @@ def with_keywords(config: BackendConfig | None = None, **keywords: Any) -> Backe
     unknown = sorted(keywords.keys() - KEYWORD_FIELDS.keys())
     if unknown:
         raise TypeError(f"not a setting of the config: {', '.join(unknown)}")
-    cfg = config if config is not None else BackendConfig("")  # type: ignore[arg-type]  # open
+    cfg = config if config is not None else BackendConfig()  # the backend not settled yet
     fields: dict[str, dict[str, Any]] = {}
     for name, value in keywords.items():
         if value is not None:
@@ -85,6 +86,11 @@ class Settled:
     module: BackendModule
 
     @property
+    def backend(self) -> BackendName:
+        """The backend's name: `config.backend`, chosen once settled."""
+        return cast(BackendName, self.config.backend)
+
+    @property
     def supports(self) -> Supports:
         """What the settled backend runs (accel.backends.support_matrix() shows all)."""
         return self.module.SUPPORTS
@@ -98,14 +104,14 @@ def settle(config: BackendConfig, env: Mapping[str, str] | None = None) -> Settl
     here raises BackendUnavailable.
 
     >>> from accel.config import BackendConfig
-    >>> settled = settle(BackendConfig(""), env={"ACCEL_DEVICES": "2"})
+    >>> settled = settle(BackendConfig(), env={"ACCEL_DEVICES": "2"})
     >>> settled.config.backend, settled.config.mesh.devices, settled.why
     ('eager', 2, 'default, USE_ACCEL unset')
     """
     env = os.environ if env is None else env
     check_choices(config)
     check_ema(config.step)
-    name, why = resolve_backend(config.backend or None, env)
+    name, why = resolve_backend(config.backend, env)
     mesh = config.mesh
     if not mesh.devices:
         mesh = replace(mesh, devices=env_int("ACCEL_DEVICES", 1, env, least=1))
@@ -121,7 +127,7 @@ def settle(config: BackendConfig, env: Mapping[str, str] | None = None) -> Settl
     compiler = config.compiler
     if not compiler.cache_dir:
         compiler = replace(compiler, cache_dir=str(cache_dir(name, env)))
-    cfg = replace(config, backend=name, mesh=mesh, compiler=compiler)  # type: ignore[arg-type]
+    cfg = replace(config, backend=name, mesh=mesh, compiler=compiler)
     module = backend_module(name)  # BackendUnavailable where it cannot run here
     problems = refusals(cfg, module.SUPPORTS)
     if problems:

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping
+from typing import cast
 
 import torch
 
 from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supports
-from accel.config import BACKENDS, AccelError, BackendConfig
+from accel.config import BACKENDS, AccelError, BackendConfig, BackendName
 from accel.distributed import processes_joining
 
 USE_ACCEL_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
@@ -52,7 +53,9 @@ REGISTRY: dict[str, Callable[[], BackendModule]] = {
 }
 
 
-def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None) -> tuple[str, str]:
+def resolve_backend(
+    requested: str | None, env: Mapping[str, str] | None = None
+) -> tuple[BackendName, str]:
     """(backend, why) from a name asked for (`backend=`), else ACCEL_BACKEND, else USE_ACCEL=1
     (the XLA compiler: jax on a CUDA GPU, xla elsewhere), else eager.
 
@@ -66,12 +69,12 @@ def resolve_backend(requested: str | None, env: Mapping[str, str] | None = None)
     if requested:
         if requested not in BACKENDS:
             raise AccelError(f"unknown backend '{requested}' (choose from {', '.join(BACKENDS)})")
-        return requested, "asked for by name"
+        return cast(BackendName, requested), "asked for by name"
     named = env.get("ACCEL_BACKEND", "").strip()
     if named:
         if named not in BACKENDS:
             raise AccelError(f"ACCEL_BACKEND must be one of {', '.join(BACKENDS)}, got '{named}'")
-        return named, "ACCEL_BACKEND"
+        return cast(BackendName, named), "ACCEL_BACKEND"
     if USE_ACCEL_VALUES[raw.strip().lower()]:
         if torch.cuda.is_available():
             return "jax", "USE_ACCEL=1 and a CUDA GPU is visible (XLA:GPU through JAX)"

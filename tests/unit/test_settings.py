@@ -93,7 +93,9 @@ def test_each_bad_setting_is_refused_in_one_line_by_settle(config, needle):
 
 
 def test_the_settled_config_says_why_its_backend_and_what_it_runs():
-    settled = accel.settle(BackendConfig(""), {"ACCEL_BACKEND": "compile"})
+    assert BackendConfig().backend is None  # not settled yet: typed, not an empty name
+    settled = accel.settle(BackendConfig(), {"ACCEL_BACKEND": "compile"})
+    assert settled.backend == "compile"
     assert settled.config.backend == "compile" and settled.why == "ACCEL_BACKEND"
     assert settled.supports.replicas == "processes"
     assert settled.config.compiler.cache_dir  # the compile cache is settled too
