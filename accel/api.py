@@ -31,7 +31,7 @@ from accel.engine import Engine
 from accel.loop import LoopPart
 from accel.optim import LearningRates, OptimizerSpec, ScheduleFn
 from accel.script_changes import ScriptChanges
-from accel.settings import Settled, settle, with_keywords
+from accel.settings import KEYWORD_FIELDS, Settled, settle, with_keywords
 from accel.user_model import EvalModel, TrainedOnRead
 from accel.user_optimizer import TrainedOptimizer, parameter_names
 from accel.workers import fork_server
@@ -136,11 +136,9 @@ def prepare(
         is given sets its field over it (`config=cfg, ema=0.999` is cfg with that EMA). Left
         unset, a keyword takes the config's value, whose defaults are those written above.
     """
-    config = with_keywords(
-        config, backend=backend, clip_grad=clip_grad, accum=accum, amp=amp, amp_dtype=amp_dtype,
-        ema=ema, devices=devices, shard=shard, tp=tp, tp_plan=tp_plan, pp=pp, seed=seed,
-        attention=attention, remat=remat,
-    )  # fmt: skip
+    # The keywords above that set a field of the config, as given: written once, in the signature.
+    settings = {name: value for name, value in locals().items() if name in KEYWORD_FIELDS}
+    config = with_keywords(config, **settings)
     try:
         return _engine_for(model, optimizer, loss_fn, config, schedule, quiet, init, state)
     except (AccelError, BackendUnavailable) as err:

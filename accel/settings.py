@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -31,26 +31,17 @@ from accel.config import (
     AccelError,
     BackendConfig,
     BackendName,
+    MeshConfig,
     StepConfig,
     shared_compile_cache,
 )
 
-# prepare's keywords that set a field of the config: where each lives ("" the config's own).
+# The config's fields a keyword sets, and where each lives ("" the config's own), read from the
+# configs themselves: prepare's signature is the one place its keywords are written.
 KEYWORD_FIELDS: dict[str, str] = {
-    "backend": "",
-    "clip_grad": "step",
-    "accum": "step",
-    "amp": "step",
-    "amp_dtype": "step",
-    "ema": "step",
-    "seed": "step",
-    "attention": "step",
-    "remat": "step",
-    "devices": "mesh",
-    "shard": "mesh",
-    "tp": "mesh",
-    "tp_plan": "mesh",
-    "pp": "mesh",
+    **{f.name: "" for f in fields(BackendConfig) if f.default_factory is MISSING},  # backend
+    **{f.name: "step" for f in fields(StepConfig)},
+    **{f.name: "mesh" for f in fields(MeshConfig)},
 }
 
 
@@ -67,12 +58,14 @@ def with_keywords(config: BackendConfig | None = None, **keywords: Any) -> Backe
     if unknown:
         raise TypeError(f"not a setting of the config: {', '.join(unknown)}")
     cfg = config if config is not None else BackendConfig()  # the backend not settled yet
-    fields: dict[str, dict[str, Any]] = {}
+    sections: dict[str, dict[str, Any]] = {}
     for name, value in keywords.items():
         if value is not None:
-            fields.setdefault(KEYWORD_FIELDS[name], {})[name] = value
-    top = fields.pop("", {})
-    parts = {section: replace(getattr(cfg, section), **given) for section, given in fields.items()}
+            sections.setdefault(KEYWORD_FIELDS[name], {})[name] = value
+    top = sections.pop("", {})
+    parts = {
+        section: replace(getattr(cfg, section), **given) for section, given in sections.items()
+    }
     return replace(cfg, **top, **parts)
 
 

@@ -492,3 +492,22 @@ def test_prepare_reads_as_its_steps_each_a_short_function():
             statements = [s for s in node.body if not isinstance(s, ast.Expr)]
             lines = sum(s.end_lineno - s.lineno + 1 for s in statements)
             assert lines <= 40, (node.name, lines)
+
+
+def test_prepares_keywords_are_written_once_in_its_signature():
+    """Each keyword of prepare's that sets a config field is written in its signature only: not
+    again in its body (a call naming them all) nor in a table beside it (settings reads the
+    fields from the configs); and every one of them is a field of the config."""
+    import inspect
+
+    from accel.api import prepare
+    from accel.settings import KEYWORD_FIELDS
+
+    own = {"model", "optimizer", "loss_fn", "schedule", "quiet", "init", "state", "config"}
+    keywords = set(inspect.signature(prepare).parameters) - own
+    assert keywords and keywords <= set(KEYWORD_FIELDS), keywords - set(KEYWORD_FIELDS)
+    body = _function("accel/api.py", "prepare").body[1:]  # its docstring aside
+    named = {n.id for s in body for n in ast.walk(s) if isinstance(n, ast.Name)} & keywords
+    assert not named, named
+    settings = (ROOT / "accel" / "settings.py").read_text()
+    assert not [k for k in keywords if f'"{k}": "' in settings]
