@@ -12,7 +12,7 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from accel.backends.base import Backend, BackendUnavailable, LossFn, ModelInit
+from accel.backends.base import BackendUnavailable, LossFn, ModelInit, Runner
 from accel.batches import BatchTrees
 from accel.checks import check_model, check_same_on_every_rank
 from accel.config import (
@@ -174,7 +174,7 @@ def _engine_for(
             f"accel: {settled.config.backend} backend ({settled.why})", file=sys.stderr, flush=True
         )
     engine = Engine(
-        backend=runner,
+        runner=runner,
         ctx=ctx,
         rates=LearningRates(spec, schedule, optimizer),
         accum=settled.config.step.accum,
@@ -219,7 +219,7 @@ def build(
     loss_fn: LossFn,
     init: ModelInit | None,
     undo: Undo,
-) -> Backend:
+) -> Runner:
     """The backend built over the process's context, holding the model and its optimizer.
 
     Workers forked from a process that runs threads may deadlock on a lock one of them held

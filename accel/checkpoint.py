@@ -72,17 +72,17 @@ def set_host_rng_state(state: dict[str, torch.Tensor]) -> None:
 DEVICE_PREFIX = "device_"
 
 
-def rng_states(backend: Any) -> dict[str, torch.Tensor]:
-    """This process's generator states: the host's, and the backend's device ones by prefix."""
-    device = {DEVICE_PREFIX + k: v for k, v in backend.rng_state().items()}
+def rng_states(runner: Any) -> dict[str, torch.Tensor]:
+    """This process's generator states: the host's, and the runner's device ones by prefix."""
+    device = {DEVICE_PREFIX + k: v for k, v in runner.rng_state().items()}
     return {**host_rng_state(), **device}
 
 
-def restore_rng_states(state: dict[str, torch.Tensor], backend: Any) -> None:
-    """What rng_states saved, back into the host's generators and the backend's."""
+def restore_rng_states(state: dict[str, torch.Tensor], runner: Any) -> None:
+    """What rng_states saved, back into the host's generators and the runner's."""
     set_host_rng_state(state)
     n = len(DEVICE_PREFIX)
-    backend.load_rng_state({k[n:]: v for k, v in state.items() if k.startswith(DEVICE_PREFIX)})
+    runner.load_rng_state({k[n:]: v for k, v in state.items() if k.startswith(DEVICE_PREFIX)})
 
 
 def gather_rng(mine: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
@@ -293,27 +293,27 @@ class Stateful(Protocol):
 class BackendTensors:
     """The backend's model, optimizer and EMA, by the model's parameter names."""
 
-    def __init__(self, backend: Any):
-        self.backend = backend
+    def __init__(self, runner: Any):
+        self.runner = runner
 
     def state_dict(self) -> dict[str, Any]:
-        return self.backend.checkpoint_state()
+        return self.runner.checkpoint_state()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.backend.load_checkpoint_state(state)
+        self.runner.load_checkpoint_state(state)
 
 
 class RandomStates:
     """This process's random generators: the host's, and the backend's device ones."""
 
-    def __init__(self, backend: Any):
-        self.backend = backend
+    def __init__(self, runner: Any):
+        self.runner = runner
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        return rng_states(self.backend)
+        return rng_states(self.runner)
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
-        restore_rng_states(state, self.backend)
+        restore_rng_states(state, self.runner)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import Backend, BackendStats, BackendUnavailable, MetricFn, StepResult
+from accel.backends.base import BackendStats, BackendUnavailable, MetricFn, Runner, StepResult
 from accel.batches import BatchTrees
 from accel.checkpoint import (
     BackendTensors,
@@ -79,7 +79,7 @@ class Engine(ProcessCalls):
     def __init__(
         self,
         *,
-        backend: Backend,
+        runner: Runner,
         ctx: DistContext,
         rates: Callable[[int], float | list[float]],
         accum: int = 1,
@@ -97,12 +97,12 @@ class Engine(ProcessCalls):
         after warm-up before a step stops (-1: any); `model_given`: the model prepare had;
         `on_close`: undoes prepare's changes to the process; `trees`: the batches' structures;
         `script`: what the script changes between steps (frozen weights, added groups)."""
-        self.runner, self._ctx, self.rates, self.on_close = backend, ctx, rates, on_close
+        self.runner, self._ctx, self.rates, self.on_close = runner, ctx, rates, on_close
         self.accum, self.ema, self.trees = accum, ema, trees or BatchTrees()
         self.state = StepCount() if state is None else state
         self.lr: float | list[float] = 0.0  # the rate(s) the last step took
         self.model_given, self.script = model_given, script
-        self.compiles = CompileWatch(backend, max_recompiles)
+        self.compiles = CompileWatch(runner, max_recompiles)
         self.skips = SkipWatch()
         self.changes = 0  # steps and loads so far: what changed the trained weights
         self.synced = 0  # the changes the given model holds (sync_model)

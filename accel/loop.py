@@ -100,8 +100,8 @@ class CompileWatch:
     said once on a backend that compiles per shape, and the recompile limit after warm-up
     (`max_recompiles`, -1: any) checked after each step."""
 
-    def __init__(self, backend: Compiling, max_recompiles: int = -1):
-        self.backend, self.max_recompiles = backend, max_recompiles
+    def __init__(self, runner: Compiling, max_recompiles: int = -1):
+        self.runner, self.max_recompiles = runner, max_recompiles
         self.last: tuple | None = None  # the last step's (micro-batches, shapes)
         self.seen: set[tuple] = set()  # those the step was compiled for
         self.at_warmup: int | None = None  # the backend's step compiles at warm-up
@@ -113,19 +113,19 @@ class CompileWatch:
         self.seen.add(shapes)
         by_shape = {s for _, s in self.seen}
         check_recompiles(  # past the limit: the error, not the notice
-            self.max_recompiles, self.after_warmup(), by_shape, self.backend.explain_compiles
+            self.max_recompiles, self.after_warmup(), by_shape, self.runner.explain_compiles
         )
-        if new and before is not None and self.backend.compiles_per_shape and main:
-            say(compiled_again(self.backend.name, seconds, shapes, before))
+        if new and before is not None and self.runner.compiles_per_shape and main:
+            say(compiled_again(self.runner.name, seconds, shapes, before))
 
     def mark_warmup_done(self) -> None:
-        self.at_warmup = self.backend.step_compiles()
+        self.at_warmup = self.runner.step_compiles()
 
     def after_warmup(self) -> int:
         """Graphs of the step compiled since warm-up (0 before it; at least 0: jax's step
         rebuilt on XLA's attention where cuDNN refused counts afresh)."""
         at = self.at_warmup
-        return 0 if at is None else max(0, self.backend.step_compiles() - at)
+        return 0 if at is None else max(0, self.runner.step_compiles() - at)
 
 
 def check_recompiles(limit: int, compiled: int, shapes_seen: set[tuple], explain: str) -> None:

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accel.backends.base import Backend
+from accel.backends.base import Runner
 from accel.batches import map_leaves
 from accel.config import AccelError
 from accel.distributed import process_index
@@ -65,7 +65,7 @@ def skip_first_batches(loader: DataLoader, batches: int) -> DataLoader:
 
 
 class HasProcesses(Protocol):
-    runner: Backend
+    runner: Runner
 
     @property
     def is_main(self) -> bool: ...

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from accel.backends.base import Backend
+from accel.backends.base import Runner
 from accel.config import AccelError
 
 
@@ -47,8 +47,8 @@ class ScriptChanges:
     def group_sizes(self) -> tuple[int, ...]:
         return tuple(len(group["params"]) for group in self.optimizer.param_groups)
 
-    def before_step(self, backend: Backend) -> None:
-        """`backend` told which held weights no longer require a gradient, where that changed
+    def before_step(self, runner: Runner) -> None:
+        """`runner` told which held weights no longer require a gradient, where that changed
         since the last step; AccelError for what accel cannot follow."""
         if self.group_sizes() != self.groups:
             raise AccelError(
@@ -72,5 +72,5 @@ class ScriptChanges:
         if frozen and frozen == self.held:
             raise AccelError("every weight the optimizer holds is frozen: nothing left to train")
         if frozen != self.frozen:
-            backend.freeze(frozen)
+            runner.freeze(frozen)
             self.frozen = frozen

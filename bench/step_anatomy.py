@@ -103,7 +103,7 @@ def main_step(args: argparse.Namespace):
 
 def early_step(args: argparse.Namespace):
     """638c545's jax backend, built as its command line built it (RunConfig, then
-    JaxBackend.setup(model)); its step takes (params, opt_state, buffers, images, targets, lr).
+    JaxRunner.setup(model)); its step takes (params, opt_state, buffers, images, targets, lr).
     One adaptation: its AMP dtype was torch's bfloat16, which this jax no longer takes in
     astype, so the policy is given jnp's. Its attention has no choice: torch's SDPA runs through
     torchax's own lowering (its --kernel-opt off, as in its GPU figures)."""
@@ -121,7 +121,7 @@ def early_step(args: argparse.Namespace):
         batch_size=args.batch_size,
         compile_cache=tempfile.mkdtemp(prefix="accel-early-cache-"),
     )
-    runner = backend.JaxBackend(cfg, DistContext())
+    runner = backend.JaxRunner(cfg, DistContext())
     runner.amp = dataclasses.replace(runner.amp, dtype=jnp.bfloat16)
     model = create_model(cfg.model)
     runner.setup(model)
@@ -310,7 +310,7 @@ def anatomy(args: argparse.Namespace) -> dict:
         "batch_size": batch,
         "amp_level": args.amp_level,
         "tree": tree_facts(args.tree),
-        "api": "638c545's JaxBackend" if early else "accel.prepare",
+        "api": "638c545's JaxRunner" if early else "accel.prepare",
         "platform": jax.devices()[0].platform,
         "lower_s": round(lower_s, 1),
         "compile_s": round(compile_s, 1),

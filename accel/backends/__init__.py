@@ -10,7 +10,7 @@ from typing import cast
 
 import torch
 
-from accel.backends.base import Backend, BackendModule, BackendUnavailable, Supports
+from accel.backends.base import BackendModule, BackendUnavailable, Runner, Supports
 from accel.config import BACKENDS, AccelError, BackendConfig, BackendName
 from accel.distributed import processes_joining
 
@@ -181,8 +181,8 @@ def support_matrix(label: Callable[[str], str] = str) -> str:
 
 
 __all__ = [
-    "Backend",
     "BackendUnavailable",
+    "Runner",
     "Supports",
     "backend_module",
     "refusals",

@@ -202,7 +202,7 @@ class BackendStats:
         return {**fields, **details}
 
 
-class BackendBase:
+class RunnerBase:
     """What every backend does the same, written once: it keeps the config and the process's
     context it was built with, and builds the one AMP policy of the config's step (accel.amp)."""
 
@@ -239,7 +239,7 @@ class SinceStart:
 
 
 @runtime_checkable
-class Backend(Protocol):
+class Runner(Protocol):
     name: str
     local_replicas: int  # data replicas one process feeds (xla, jax: its mesh's data axis)
     step_devices: int  # devices this process's step runs on (xla, jax: the mesh; others: 1)
@@ -360,4 +360,4 @@ class BackendModule(Protocol):
 
     def context(self, cfg: BackendConfig) -> DistContext: ...
 
-    def build(self, cfg: BackendConfig, ctx: DistContext) -> Backend: ...
+    def build(self, cfg: BackendConfig, ctx: DistContext) -> Runner: ...

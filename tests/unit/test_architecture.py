@@ -511,3 +511,24 @@ def test_prepares_keywords_are_written_once_in_its_signature():
     assert not named, named
     settings = (ROOT / "accel" / "settings.py").read_text()
     assert not [k for k in keywords if f'"{k}": "' in settings]
+
+
+def test_the_object_a_backend_builds_is_a_runner_and_nothing_else_is_named_backend():
+    """One word each (ARCHITECTURE.md, Words): "backend" is the name the user gives, the
+    backend package builds a runner. No class named ...Backend (the protocol and the three
+    classes were), no module named backend.py inside a backend package."""
+    classes = [
+        n.name
+        for p in _library_files()
+        for n in ast.walk(ast.parse(p.read_text()))
+        if isinstance(n, ast.ClassDef) and n.name.endswith("Backend")
+    ]
+    assert not classes, classes
+    assert not list((ROOT / "accel" / "backends").rglob("backend.py"))
+    builds = [
+        n
+        for p in (ROOT / "accel" / "backends").rglob("*.py")
+        for n in ast.parse(p.read_text()).body
+        if isinstance(n, ast.FunctionDef) and n.name == "build"
+    ]
+    assert len(builds) == 4 and all(ast.unparse(b.returns).endswith("Runner") for b in builds)

@@ -19,7 +19,7 @@ batches put on them, collectives), state.py (the trained arrays, their layout on
 checkpoint's names, the random keys' count), values.py (torch and JAX values each way),
 optimizer.py (a torch optimizer as optax), step.py (the training step as a pure function),
 tracing.py (the torch model run by torchax, attention routed to attention.py's kernels),
-compiled.py (the compiled step and evaluation, compile accounting), backend.py (JaxBackend: their
+compiled.py (the compiled step and evaluation, compile accounting), runner.py (JaxRunner: their
 composition), torchax_compat.py (the shim that lets torchax import on a newer torch).
 """
 
@@ -48,8 +48,8 @@ SUPPORTS = Supports(
 
 try:
     # The parts import jax and optax, not torchax (require() loads it: see runtime.py).
-    from accel.backends.jax.backend import JaxBackend
     from accel.backends.jax.ops import overridden
+    from accel.backends.jax.runner import JaxRunner
     from accel.backends.jax.runtime import join, load_torchax
     from accel.backends.jax.tracing import attention_lowerings
 
@@ -87,15 +87,15 @@ def context(cfg: BackendConfig) -> DistContext:
     return join(cfg)
 
 
-def build(cfg: BackendConfig, ctx: DistContext) -> JaxBackend:
+def build(cfg: BackendConfig, ctx: DistContext) -> JaxRunner:
     require()  # torchax in, where prepare's check did not already bring it
-    return JaxBackend(cfg, ctx)
+    return JaxRunner(cfg, ctx)
 
 
 __all__ = [
     "INSTALL",
     "SUPPORTS",
-    "JaxBackend",
+    "JaxRunner",
     "attention_lowerings",
     "build",
     "context",

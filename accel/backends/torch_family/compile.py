@@ -12,7 +12,7 @@ import torch
 
 from accel.backends.base import SinceStart, Supports
 from accel.backends.torch_family import eager
-from accel.backends.torch_family.eager import EagerBackend
+from accel.backends.torch_family.eager import EagerRunner
 from accel.config import AccelError, BackendConfig
 from accel.distributed import DistContext, env_context
 
@@ -38,8 +38,8 @@ def context(cfg: BackendConfig) -> DistContext:
     return env_context()
 
 
-def build(cfg: BackendConfig, ctx: DistContext) -> EagerBackend:
-    return EagerBackend(cfg, ctx, compiler=Inductor(cfg.step.kernel_opt))
+def build(cfg: BackendConfig, ctx: DistContext) -> EagerRunner:
+    return EagerRunner(cfg, ctx, compiler=Inductor(cfg.step.kernel_opt))
 
 
 def frames_compiled() -> dict[str, float]:

@@ -15,13 +15,13 @@ from torch import nn
 
 from accel.backends.as_eager import modes_kept
 from accel.backends.base import (
-    BackendBase,
     BackendStats,
     BackendUnavailable,
     Batch,
     LossFn,
     MetricFn,
     ModelInit,
+    RunnerBase,
     StepResult,
     Supports,
     split_batch,
@@ -89,8 +89,8 @@ def context(cfg: BackendConfig) -> DistContext:
     return env_context()
 
 
-def build(cfg: BackendConfig, ctx: DistContext) -> EagerBackend:
-    return EagerBackend(cfg, ctx)
+def build(cfg: BackendConfig, ctx: DistContext) -> EagerRunner:
+    return EagerRunner(cfg, ctx)
 
 
 class Compiler(Protocol):
@@ -132,7 +132,7 @@ def cuda_prefetch(batches: Iterable[Batch], device: torch.device) -> Iterator[Ba
         yield ready
 
 
-class EagerBackend(BackendBase):
+class EagerRunner(RunnerBase):
     """torch's own ops on this process's device, run as they come (eager) or through a
     `compiler` (compile: torch.compile), the model whole or split over the mesh (layout)."""
 

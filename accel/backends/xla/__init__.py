@@ -23,15 +23,15 @@ tested here.
 The parts: runtime.py (the torch_xla import, the process context, the checks before and as the
 runtime starts), devices.py (the device, the mesh, collectives, RNG, syncs), layout.py (placement,
 shardings, named state), batches.py (host batches onto the device), optimizer.py, step.py (the
-compiled step, evaluation), compiles.py (compile accounting) and backend.py (XlaBackend, their
+compiled step, evaluation), compiles.py (compile accounting) and runner.py (XlaRunner, their
 composition).
 """
 
 from __future__ import annotations
 
 from accel.backends.base import Supports
-from accel.backends.xla.backend import XlaBackend
 from accel.backends.xla.compiles import compile_count, fallback_ops
+from accel.backends.xla.runner import XlaRunner
 from accel.backends.xla.runtime import INSTALL, check_versions, context, require
 from accel.config import BackendConfig
 from accel.distributed import DistContext
@@ -49,14 +49,14 @@ SUPPORTS = Supports(
 )
 
 
-def build(cfg: BackendConfig, ctx: DistContext) -> XlaBackend:
-    return XlaBackend(cfg, ctx)
+def build(cfg: BackendConfig, ctx: DistContext) -> XlaRunner:
+    return XlaRunner(cfg, ctx)
 
 
 __all__ = [
     "INSTALL",
     "SUPPORTS",
-    "XlaBackend",
+    "XlaRunner",
     "build",
     "check_versions",
     "compile_count",

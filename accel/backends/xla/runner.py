@@ -13,13 +13,13 @@ import torch
 from torch import nn
 
 from accel.backends.base import (
-    BackendBase,
     BackendStats,
     BackendUnavailable,
     Batch,
     LossFn,
     MetricFn,
     ModelInit,
+    RunnerBase,
     StepResult,
     classifier_parameters,
 )
@@ -37,7 +37,7 @@ from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
 
 
-class XlaBackend(BackendBase):
+class XlaRunner(RunnerBase):
     """torch_xla's backend: the torch model traced into lazy tensors and compiled by XLA."""
 
     name = "xla"

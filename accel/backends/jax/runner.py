@@ -1,4 +1,4 @@
-"""The jax backend's Backend, composed of its parts: Runtime (runtime.py: the devices as a mesh,
+"""The jax backend's Runner, composed of its parts: Runtime (runtime.py: the devices as a mesh,
 batches onto them, collectives), TrainState (state.py: the arrays trained and their layout),
 Tracer (tracing.py: the torch model run by torchax), CompiledStep and Evaluation (compiled.py:
 the programs XLA compiles)."""
@@ -13,12 +13,12 @@ import torch
 
 import accel.backends.jax.runtime as runtime
 from accel.backends.base import (
-    BackendBase,
     BackendStats,
     Batch,
     LossFn,
     MetricFn,
     ModelInit,
+    RunnerBase,
     SinceStart,
     StepResult,
     split_batch,
@@ -39,7 +39,7 @@ from accel.optim import OptimizerSpec
 from accel.parallel.materialize import whole
 
 
-class JaxBackend(BackendBase):
+class JaxRunner(RunnerBase):
     """JAX's XLA through torchax: the torch model traced into one jitted step over arrays of
     its own."""
 
