@@ -532,3 +532,14 @@ def test_the_object_a_backend_builds_is_a_runner_and_nothing_else_is_named_backe
         if isinstance(n, ast.FunctionDef) and n.name == "build"
     ]
     assert len(builds) == 4 and all(ast.unparse(b.returns).endswith("Runner") for b in builds)
+
+
+def test_jaxs_step_is_made_of_functions_called_one_at_a_time_not_nested_closures():
+    """make_train_step builds its step from StepParts' methods (each callable on its own): no
+    function of accel/backends/jax/step.py holds more than one function inside it (a scan's
+    body), where make_train_step held ten closures."""
+    tree = ast.parse((ROOT / "accel/backends/jax/step.py").read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.FunctionDef):
+            inner = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
+            assert len(inner) <= 1, (node.name, [n.name for n in inner])

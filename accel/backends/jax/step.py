@@ -63,58 +63,89 @@ def make_train_step(
     (updates applied) keys the random draws; `grad_shardings`: where the gradients go for a
     sharded update (shard=, tp=); `weight_shardings` (a tensor axis only): where the weights
     are while the gradients are computed."""
-    data = mesh.axis_names[0]  # the batch's axis (dp, or fsdp where the weights split too)
-    # Each data replica's stream of draws, from prepare's seed and its index, as every backend
-    # derives it (replica_seed); a replica's draws then follow from the step count alone.
-    replica_keys = jnp.stack(
-        [jax.random.key(replica_seed(seed, r)) for r in range(mesh.shape[data])]
-    )
+    parts = StepParts(
+        loss_fn, optimizer, mesh, clip_grad, seed, grad_shardings, weight_shardings, unread,
+        frozenset(frozen), accum,
+    )  # fmt: skip
+    return parts.step
 
-    written_names: set[str] = set()  # the constants the loss writes, known once traced
 
-    def with_extras(*args):  # (loss, (extras vector, constants written))
-        out = given(*args)
+class StepParts:
+    """make_train_step's step and the parts it is made of, each a method a reader can call on
+    its own (under jax.jit, or jax.make_jaxpr): the gradients of a group of micro-batches
+    (`mean_grads`, `ragged_grads`), over the devices three ways (`one_device_grads`,
+    `replica_grads` with `local_grads` on each device, `partitioned_grads`), and `step`."""
+
+    def __init__(
+        self,
+        loss_fn: LossFnJax,
+        optimizer: OptaxGroups,
+        mesh: Mesh,
+        clip_grad: float,
+        seed: int,
+        grad_shardings: Any,
+        weight_shardings: Any,
+        unread: Callable[[], Collection[str]],
+        frozen: frozenset[str],
+        accum: int,
+    ):
+        self.given_loss, self.optimizer, self.mesh = loss_fn, optimizer, mesh
+        self.clip_grad, self.accum, self.unread, self.frozen = clip_grad, accum, unread, frozen
+        self.grad_shardings, self.weight_shardings = grad_shardings, weight_shardings
+        self.data = mesh.axis_names[0]  # the batch's axis (dp, or fsdp where the weights split too)
+        # Each data replica's stream of draws, from prepare's seed and its index, as every backend
+        # derives it (replica_seed); a replica's draws then follow from the step count alone.
+        self.replica_keys = jnp.stack(
+            [jax.random.key(replica_seed(seed, r)) for r in range(mesh.shape[self.data])]
+        )
+        self.written_names: set[str] = set()  # the constants the loss writes, known once traced
+        # The gradients' norm as one reduction where every gradient is whole on each device;
+        # split ones (FSDP, tensor parallel) keep a norm per weight, reduced where each part lies.
+        self.whole = grad_shardings is None or all(
+            s.is_fully_replicated for s in jax.tree.leaves(grad_shardings)
+        )
+
+    def loss_fn(self, *args):
+        """The given loss as (loss, (extras vector, constants written))."""
+        out = self.given_loss(*args)
         loss, extras, written = (*out, {})[:3] if isinstance(out, tuple) else (out, None, {})
-        written_names.update(written)
+        self.written_names.update(written)
         return loss, (jnp.zeros(0, jnp.float32) if extras is None else extras, written)
 
-    given, loss_fn = loss_fn, with_extras
-
-    def mean_grads(params, consts, batch, key, constrain):
+    def mean_grads(self, params, consts, batch, key, constrain):
         """The loss, extras and gradients of `batch`, each averaged over its micro-steps, and
         the constants as the micro-steps' forwards left them."""
-
-        def micro_step(carry, micro):
-            loss_sum, grads_sum, consts = carry
-            part, index = micro
-            key_i = jax.random.fold_in(key, index)
-            value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
-            (loss, (extras, written)), grads = value_and_grad(params, consts, part, key_i)
-            loss, grads = jax.tree.map(jnp.add, (loss_sum, grads_sum), (loss, grads))
-            return (loss, constrain(grads), {**consts, **written}), extras  # extras stacked
-
         if ragged(batch):  # micro-batches of different sizes: each traced on its own
-            return ragged_grads(params, consts, batch, key, constrain)
+            return self.ragged_grads(params, consts, batch, key, constrain)
+        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=True)
         steps = batch[0].shape[0]
-        divisor = group_divisor(steps, accum)  # a short group weighs steps/accum
+        divisor = group_divisor(steps, self.accum)  # a short group weighs steps/accum
         if steps == 1:  # no accumulation: the one micro-step as it is, no loop around it
-            value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
             one = tuple(t[0] for t in batch)
             key_0 = jax.random.fold_in(key, 0)  # the draws a first micro-step makes
             (loss, (extras, written)), grads = value_and_grad(params, consts, one, key_0)
             grads = jax.tree.map(lambda g: g / divisor, grads) if divisor > 1 else grads
             return loss, extras, constrain(grads), {**consts, **written}
+
+        def micro_step(carry, micro):
+            loss_sum, grads_sum, consts = carry
+            part, index = micro
+            key_i = jax.random.fold_in(key, index)
+            (loss, (extras, written)), grads = value_and_grad(params, consts, part, key_i)
+            loss, grads = jax.tree.map(jnp.add, (loss_sum, grads_sum), (loss, grads))
+            return (loss, constrain(grads), {**consts, **written}), extras  # extras stacked
+
         zeros = (jnp.zeros((), jnp.float32), constrain(jax.tree.map(jnp.zeros_like, params)))
         micro = (batch, jnp.arange(steps))
         (loss, grads, consts), extras = jax.lax.scan(micro_step, (*zeros, consts), micro)
         grads = jax.tree.map(lambda g: g / divisor, grads)
         return loss / steps, extras.mean(axis=0), grads, consts
 
-    def ragged_grads(params, consts, batch, key, constrain):
+    def ragged_grads(self, params, consts, batch, key, constrain):
         """mean_grads for a tuple of micro-batches whose sizes differ (the epoch's last one
         ragged): a micro-step each, in order, unrolled."""
-        divisor = group_divisor(len(batch), accum)
-        value_and_grad = jax.value_and_grad(loss_fn, has_aux=True)
+        divisor = group_divisor(len(batch), self.accum)
+        value_and_grad = jax.value_and_grad(self.loss_fn, has_aux=True)
         losses, grads_sum, extras_all = [], None, []
         for index, part in enumerate(batch):
             key_i = jax.random.fold_in(key, index)
@@ -126,80 +157,75 @@ def make_train_step(
         grads = constrain(jax.tree.map(lambda g: g / divisor, grads_sum))
         return jnp.mean(jnp.stack(losses)), jnp.stack(extras_all).mean(axis=0), grads, consts
 
-    def local_grads(params, consts, batch, count):
-        # Random draws differ per step, device and micro-step, and follow from the seed and the
-        # count alone (saved as the backend's random state).
-        key = jax.random.fold_in(replica_keys[jax.lax.axis_index(data)], count)
-        loss, extras, grads, consts = mean_grads(params, consts, batch, key, lambda g: g)
-        # The explicit all-reduce: every device ends with the mean gradient of the global batch,
-        # and the mean of the statistics each device's forward wrote.
+    def constrain(self, grads):
+        """The accumulated gradients kept split as the weights are, not gathered whole."""
+        if self.grad_shardings is None:
+            return grads
+        return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+
+    def local_grads(self, params, consts, batch, count):
+        """One device's part, inside replica_grads' shard_map, then the explicit all-reduce:
+        every device ends with the mean gradient of the global batch, and the mean of the
+        statistics each device's forward wrote. Random draws differ per step, device and
+        micro-step, and follow from the seed and the count alone (the backend's random state)."""
+        key = jax.random.fold_in(self.replica_keys[jax.lax.axis_index(self.data)], count)
+        loss, extras, grads, consts = self.mean_grads(params, consts, batch, key, unchanged)
         written = {
-            n: jax.lax.pmean(v, data) if jnp.issubdtype(v.dtype, jnp.floating) else v
+            n: jax.lax.pmean(v, self.data) if jnp.issubdtype(v.dtype, jnp.floating) else v
             for n, v in consts.items()
-            if n in written_names
+            if n in self.written_names
         }
-        loss, extras, grads = jax.lax.pmean((loss, extras, grads), data)
+        loss, extras, grads = jax.lax.pmean((loss, extras, grads), self.data)
         return loss, extras, grads, {**consts, **written}
 
-    def partitioned_grads(params, consts, batch, count):
-        # One program over the global batch: the weights' shardings and the batch's decide each
-        # device's part, and the partitioner adds the collectives. A shard_map would gather
-        # every weight whole onto each device. No device index here: the draws follow from the
-        # count and micro-step.
-        spec = P(data) if ragged(batch) else P(None, data)
-        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(mesh, spec))
-        if weight_shardings is not None:
-            # FSDP's order: weights split over the data axis are gathered for the forward and their
-            # gradients reduce-scattered back, each device keeping its part of the batch; left
-            # free, the partitioner may gather the batch instead and run all of it on each
-            # device.
-            params = jax.lax.with_sharding_constraint(params, weight_shardings)
-        key = jax.random.fold_in(replica_keys[0], count)
-        return mean_grads(params, consts, batch, key, constrain)
-
-    def constrain(grads):
-        # The accumulated gradients stay split as the weights are, not gathered whole.
-        if grad_shardings is None:
-            return grads
-        return jax.lax.with_sharding_constraint(grads, grad_shardings)
-
-    def one_device_grads(params, consts, batch, count):
-        # One device: the mean over the devices is the device's own (no collective).
-        key = jax.random.fold_in(replica_keys[0], count)
-        return mean_grads(params, consts, batch, key, lambda g: g)
-
-    # The gradients' norm as one reduction where every gradient is whole on each device; split
-    # ones (FSDP, tensor parallel) keep a norm per weight, reduced where each part lies.
-    whole = grad_shardings is None or all(
-        s.is_fully_replicated for s in jax.tree.leaves(grad_shardings)
-    )
-    rep = P()
-
-    def replica_grads(params, consts, batch, count):
-        # every array of the batch split along its batch axis (the second, after micro-steps)
-        spec = P(data) if ragged(batch) else P(None, data)
+    def replica_grads(self, params, consts, batch, count):
+        """Whole replicas on the devices: every array of the batch split along its batch axis
+        (the second, after micro-steps), local_grads on each device."""
+        spec, rep = (P(self.data) if ragged(batch) else P(None, self.data)), P()
         return jax.shard_map(
-            local_grads, mesh=mesh, check_vma=False,
+            self.local_grads, mesh=self.mesh, check_vma=False,
             in_specs=(rep, rep, spec, rep), out_specs=(rep, rep, rep, rep),
         )(params, consts, batch, count)  # fmt: skip
 
-    grads_fn = (
-        partitioned_grads
-        if Axis.TENSOR in mesh.axis_names
-        else one_device_grads
-        if mesh.size == 1
-        else replica_grads
-    )
+    def partitioned_grads(self, params, consts, batch, count):
+        """A mesh with a tensor axis: one program over the global batch, where the weights'
+        shardings and the batch's decide each device's part and the partitioner adds the
+        collectives (a shard_map would gather every weight whole onto each device). No device
+        index here: the draws follow from the count and micro-step."""
+        spec = P(self.data) if ragged(batch) else P(None, self.data)
+        batch = jax.lax.with_sharding_constraint(batch, NamedSharding(self.mesh, spec))
+        if self.weight_shardings is not None:
+            # FSDP's order: weights split over the data axis are gathered for the forward and
+            # their gradients reduce-scattered back, each device keeping its part of the batch;
+            # left free, the partitioner may gather the batch instead and run all of it on each
+            # device.
+            params = jax.lax.with_sharding_constraint(params, self.weight_shardings)
+        key = jax.random.fold_in(self.replica_keys[0], count)
+        return self.mean_grads(params, consts, batch, key, self.constrain)
 
-    def step(params, opt_state, ema, count, consts, batch, rates, ema_decay):
-        loss, extras, grads, consts = grads_fn(params, consts, batch, count)
-        if grad_shardings is not None:
-            grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-        if frozen:  # torch gives a frozen weight no gradient: nothing of it in the norm either
-            grads = {n: jnp.zeros_like(g) if n in frozen else g for n, g in grads.items()}
-        grads, norm = torch_clip(grads, clip_grad, one_reduction=whole)
-        new_params, new_state = optimizer.update(grads, opt_state, params, rates)
-        left = set(unread()) | set(frozen)  # unread asked now: the loss was traced above
+    def one_device_grads(self, params, consts, batch, count):
+        """One device: the mean over the devices is the device's own (no collective)."""
+        key = jax.random.fold_in(self.replica_keys[0], count)
+        return self.mean_grads(params, consts, batch, key, unchanged)
+
+    def grads(self, params, consts, batch, count):
+        """The loss, extras, mean gradients and constants written, as the mesh asks."""
+        if Axis.TENSOR in self.mesh.axis_names:
+            return self.partitioned_grads(params, consts, batch, count)
+        if self.mesh.size == 1:
+            return self.one_device_grads(params, consts, batch, count)
+        return self.replica_grads(params, consts, batch, count)
+
+    def step(self, params, opt_state, ema, count, consts, batch, rates, ema_decay):
+        """The whole optimizer step (make_train_step's)."""
+        loss, extras, grads, consts = self.grads(params, consts, batch, count)
+        if self.grad_shardings is not None:
+            grads = jax.lax.with_sharding_constraint(grads, self.grad_shardings)
+        if self.frozen:  # torch gives a frozen weight no gradient: nothing of it in the norm
+            grads = {n: jnp.zeros_like(g) if n in self.frozen else g for n, g in grads.items()}
+        grads, norm = torch_clip(grads, self.clip_grad, one_reduction=self.whole)
+        new_params, new_state = self.optimizer.update(grads, opt_state, params, rates)
+        left = set(self.unread()) | set(self.frozen)  # asked now: the loss was traced above
         if left:
             new_params, new_state = keep_named(left, (new_params, new_state), (params, opt_state))
         new_ema = {
@@ -218,7 +244,10 @@ def make_train_step(
         head = jnp.stack([loss, finite.astype(jnp.float32)])
         return params, opt_state, ema, count, consts, jnp.concatenate([head, extras])
 
-    return step
+
+def unchanged(grads: Any) -> Any:
+    """The gradients as they are (where nothing splits them: one device, or a replica's)."""
+    return grads
 
 
 def ragged(batch: tuple) -> bool:
