@@ -53,13 +53,22 @@ class IntervalLines:
     def line(self, step: int, lr: float) -> str:
         finite = [v for v in self.losses if math.isfinite(v)]
         loss = sum(finite) / len(finite) if finite else float("nan")
-        epoch = (step - 1) // self.steps_per_epoch + 1
+        epoch = epochs(step / self.steps_per_epoch)
         speed = f"{self.images / self.seconds:.1f} img/s" if self.seconds else "warming up"
         width = len(str(self.total_steps))
         return (
             f"step {step:>{width}}/{self.total_steps}  epoch {epoch}  loss {loss:.4f}  "
             f"lr {lr:.3e}  {speed}"
         )
+
+
+def epochs(done: float) -> str:
+    """Epochs done, as every line says them (the evaluations' `epoch` too): 0.31, 1.25, 2.
+
+    >>> epochs(10 / 32), epochs(1.25), epochs(2.0)
+    ('0.31', '1.25', '2')
+    """
+    return f"{round(done, 2):g}"
 
 
 @dataclass
@@ -88,14 +97,14 @@ class BestEvaluation:
             return ""
         key, _, name = BEST_METRICS[self.metric]
         r = self.results
-        return f"best {name} {r[key]:.4f} (epoch {r['epoch']:g}, step {r['step']})"
+        return f"best {name} {r[key]:.4f} (epoch {epochs(r['epoch'])}, step {r['step']})"
 
 
 def evaluation_line(results: dict[str, Any], best: BestEvaluation) -> str:
     """One evaluation, with the best so far: its EMA twin's top-1 too where one is kept."""
     ema = f", EMA top-1 {results['eval_acc_ema']:.4f}" if "eval_acc_ema" in results else ""
     return (
-        f"epoch {results['epoch']:g}: eval top-1 {results['eval_acc']:.4f}, "
+        f"epoch {epochs(results['epoch'])}: eval top-1 {results['eval_acc']:.4f}, "
         f"top-5 {results['eval_acc5']:.4f}, loss {results['eval_loss']:.4f}{ema}; "
         f"{best.describe()}"
     )

@@ -85,7 +85,7 @@ def test_the_readme_quick_start_runs_as_written_and_learns(tmp_path, command):
     assert summary["eval_acc"] >= 0.5  # the README says about 0.9; chance is 0.1
     # The README's console lines, with summary.json's values: each --log_every (10) steps' mean
     # loss, the evaluation and its best, the closing block.
-    said = re.findall(r"step (\d+)/40  epoch \d  loss ([\d.]+)  lr ", result.stdout)
+    said = re.findall(r"step (\d+)/40  epoch [\d.]+  loss ([\d.]+)  lr ", result.stdout)
     losses = summary["losses"]
     assert [(int(s), float(v)) for s, v in said] == [
         (s, round(sum(losses[s - 10 : s]) / 10, 4)) for s in (10, 20, 30, 40)

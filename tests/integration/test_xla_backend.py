@@ -156,7 +156,7 @@ def test_evaluating_between_epochs_is_not_a_recompile_and_is_said_with_the_best(
     losses = summary["losses"]  # 8 steps: lines at 3, 6 and the last, 8
     for start, end in ((0, 3), (3, 6), (6, 8)):
         mean = sum(losses[start:end]) / (end - start)
-        line = re.search(rf"step +{end}/8  epoch \d  loss {mean:.4f}  lr [\d.e+-]+  ", stdout)
+        line = re.search(rf"step +{end}/8  epoch [\d.]+  loss {mean:.4f}  lr [\d.e+-]+  ", stdout)
         assert line and line.group(0) in log, (end, mean, stdout)
     for e in summary["evals"]:
         said = (

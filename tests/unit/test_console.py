@@ -23,14 +23,14 @@ def test_an_interval_line_says_the_mean_loss_since_the_last_line_and_the_steady_
     # (8 images x 4 steps) over (0.16 + 3 x 0.08) s; a non-finite loss left out of the mean
     assert said[1] == "step  8/10  epoch 2  loss 2.0000  lr 1.000e-04  80.0 img/s"
     lines.fetched([(9, 1.0, 1e-5), (10, 1.0, 0.0)], timing, False)  # the last step: a line
-    assert said[2].startswith("step 10/10  epoch 3  loss 1.0000")
+    assert said[2].startswith("step 10/10  epoch 2.5  loss 1.0000")  # epochs done
 
 
 def test_only_warm_up_steps_said_say_so_instead_of_a_speed():
     said: list[str] = []
     lines = IntervalLines(said.append, every=1, total_steps=3, steps_per_epoch=3)
     lines.fetched([(1, 2.0, 1e-3)], {"images_per_sec": 1.0, "step_time_s": 9.0}, warming=True)
-    assert said == ["step 1/3  epoch 1  loss 2.0000  lr 1.000e-03  warming up"]
+    assert said == ["step 1/3  epoch 0.33  loss 2.0000  lr 1.000e-03  warming up"]
 
 
 @pytest.mark.parametrize(
