@@ -268,8 +268,16 @@ class Undo:
         self.steps.append(step)
 
     def __call__(self) -> None:
+        """Every step, each once, even where one fails (the start method is put back after a
+        failed copy of the optimizer's state); the first failure raised after the last step."""
+        failed: BaseException | None = None
         while self.steps:
-            self.steps.pop()()
+            try:
+                self.steps.pop()()
+            except Exception as err:  # the rest still run; this one is raised at the end
+                failed = failed or err
+        if failed is not None:
+            raise failed
 
 
 # Each model given to prepare -> its Engine, both held weakly: the registry keeps neither alive.

@@ -22,6 +22,7 @@ the non-finite skip. The command line's Trainer drives the backends through the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -118,8 +119,10 @@ class Engine(ProcessCalls):
     def __enter__(self) -> Engine:
         return self
 
-    def __exit__(self, *exc_info: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *rest: object) -> None:
+        # After an error in the block, that error is the one to see: closing's is dropped.
+        with contextlib.suppress(Exception) if kind else contextlib.nullcontext():
+            self.close()
 
     @property
     def steps_done(self) -> int:

@@ -177,3 +177,36 @@ def test_a_script_shows_its_own_line_and_prepare_only_for_each_bad_variable(tmp_
         assert len(frames) == 2, text
         assert "train.py" in frames[0] and "in prepare" in frames[1], text
         assert text.strip().splitlines()[-1] == f"accel.config.AccelError: {line}"
+
+
+def test_closing_runs_every_step_and_an_error_in_the_with_block_is_the_one_raised():
+    """engine.close() runs each of its steps once, in reverse, even past a failing one (whose
+    error it raises after); a `with` block's own error is not hidden by closing after it."""
+    from accel.api import Undo
+
+    done: list[str] = []
+
+    def fails() -> None:
+        done.append("fails")
+        raise RuntimeError("copy failed")
+
+    undo = Undo()
+    for step in (lambda: done.append("first"), fails, lambda: done.append("last")):
+        undo.add(step)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        undo()
+    assert done == ["last", "fails", "first"]
+    undo()  # once: nothing left to run
+    assert done == ["last", "fails", "first"]
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss_fn = lambda m, b: m(b[0]).pow(2).mean()  # noqa: E731
+    engine = accel.prepare(model, optimizer, loss_fn, backend="eager", quiet=True)
+    engine.on_close.add(fails)  # closing fails too, first of its steps: the block's error wins
+    with pytest.raises(ValueError, match="the block's own"), engine:
+        raise ValueError("the block's own")
+    # the steps after the failing one still ran: torch keeps an optimizer's hooks in these
+    # dicts (no public API lists them)
+    assert not optimizer._optimizer_state_dict_post_hooks
+    assert not optimizer._optimizer_load_state_dict_post_hooks
