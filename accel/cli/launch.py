@@ -22,8 +22,7 @@ START = time.perf_counter()  # before the heavy imports below: time_to_first_ste
 
 from accel import BackendUnavailable, RecompileError, settle  # noqa: E402
 from accel.backends import Supports  # noqa: E402
-from accel.checkpoint import flatten  # noqa: E402
-from accel.cli.config import RunConfig, from_dict  # noqa: E402
+from accel.cli.config import RunConfig, from_dict, get_path, leaf_fields  # noqa: E402
 from accel.cli.data.augment import AugmentError  # noqa: E402
 from accel.cli.data.folder import BadImageError, DatasetError  # noqa: E402
 from accel.cli.job import backend_config  # noqa: E402
@@ -151,7 +150,7 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
 def same_everywhere(cfg: RunConfig) -> None:
     """Every rank (on every node) was started with the same options, this host's own aside."""
     local = ("parallel.node_rank", "data.workers", "compiler.compile_cache")
-    mine = {k: v for k, v in flatten(cfg.to_dict()).items() if k not in local}
+    mine = {path: get_path(cfg, path) for path, _, _ in leaf_fields(RunConfig) if path not in local}
     difference = first_difference(mine)
     if difference:
         raise AccelError(f"the ranks were started with different options: {difference}")
