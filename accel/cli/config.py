@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
+from accel.cli.console import BEST_METRICS
 from accel.cli.data.config import DataConfig
 from accel.cli.models.factory import ModelConfig
 from accel.config import (
@@ -192,7 +193,7 @@ class RunConfig:
         "",
         "also keep the best evaluation's checkpoint by this metric (RUN/checkpoints/best.pt, "
         "beside the newest): each --eval_every evaluation and the final one",
-        choices=("", "top1", "top5", "loss"),
+        choices=("", *BEST_METRICS),
         group=OUTPUT,
     )
     log_every: int = option(

@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from tqdm import tqdm
+
 from accel.distributed import DistContext
 
 
@@ -33,8 +35,6 @@ class AboveTheBar(logging.Handler):
     line and draws it again), so that neither is glued onto the other on a terminal."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        from tqdm import tqdm
-
         try:
             tqdm.write(self.format(record), file=sys.stdout)
         except Exception:  # logging's contract: a handler's failure is reported, never raised

@@ -58,6 +58,8 @@ class OneLineParser(argparse.ArgumentParser):
         return f"unrecognized arguments: {flag}{hint}"
 
     def _option_strings(self) -> list[str]:
+        # argparse lists its actions only in `_actions` (no public API gives the flags a parser
+        # takes); tests/unit/test_bad_input.py's shortened-flag cases fail if it is renamed.
         return [s for action in self._actions for s in action.option_strings]
 
     def error(self, message: str) -> typing.NoReturn:
