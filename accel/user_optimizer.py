@@ -32,7 +32,7 @@ from accel.parallel.fsdp import full_value
 Named = dict[str, dict[str, torch.Tensor]]  # optimizer state by parameter name
 
 
-class Trainer(Protocol):
+class EngineView(Protocol):
     """What TrainedOptimizer reads and loads the state through (the Engine)."""
 
     runner: Any  # the backend: checkpoint_state(), load_checkpoint_state()
@@ -42,7 +42,7 @@ class Trainer(Protocol):
 class TrainedOptimizer:
     """The hooks on the user's optimizer; the engine is held weakly, as the model's are."""
 
-    def __init__(self, engine: Trainer, optimizer: torch.optim.Optimizer, names: list[str]):
+    def __init__(self, engine: EngineView, optimizer: torch.optim.Optimizer, names: list[str]):
         """`names`: parameter_names(optimizer, model), taken before the backend adopted the
         model (xla moves its parameters to the device as new ones)."""
         self.engine, self.names, self.optimizer = weakref.ref(engine), names, optimizer

@@ -9,6 +9,7 @@ efficiency). Prints one JSON line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import tempfile
@@ -184,14 +185,19 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as out:
         cfg = RunConfig(
-            backend=args.backend,
             model=ModelConfig(args.model, num_classes=args.num_classes),
             batch_size=args.batch_size,
-            amp_level=args.amp_level,
+            output=out,
+        )
+        step = dataclasses.replace(
+            cfg.accel.step,
+            amp=args.amp_level,
             kernel_opt=args.kernel_opt,
             attention=args.attention,
             remat=args.remat,
-            output=out,
+        )
+        cfg = dataclasses.replace(
+            cfg, accel=dataclasses.replace(cfg.accel, backend=args.backend, step=step)
         )
         result = fed_images_per_sec(cfg, args.steps, args.warmup, args.profile)
     record = {"backend": args.backend, "model": args.model, **result}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import faulthandler
 import importlib.util
 import io
@@ -25,7 +26,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from accel.backends.host_reads import HOST_READS
-from accel.cli.config import RunConfig, leaf_fields, replace_path
+from accel.cli.config import RunConfig, leaf_fields, options, replace_path
 from accel.cli.data.config import DataConfig
 from accel.cli.models.factory import ModelConfig
 from tests.forking import EXIT_UNSAFE_FORK, check_parent
@@ -36,9 +37,11 @@ HAS_JAX = importlib.util.find_spec("jax") is not None
 # The backends this stack can run: torch_xla and jax are optional installs.
 INSTALLED = tuple(b for b in ("eager", "compile", "xla", "jax") if HAS_XLA or b != "xla")
 INSTALLED = tuple(b for b in INSTALLED if HAS_JAX or b != "jax")
-# An option by its own name ("shard") or its path ("parallel.shard"); nested configs by theirs.
+# An option by its flag's name ("grad_accum"), its own name ("accum") or its path
+# ("accel.step.accum"); nested configs by theirs.
 PATHS = {path.rsplit(".", 1)[-1]: path for path, _, _ in leaf_fields(RunConfig)}
-PATHS.update(mixup="data.mixup")
+PATHS.update({o.flag.lstrip("-").replace("-", "_"): o.path for o in options()})
+PATHS.update({f.name: f.name for f in dataclasses.fields(RunConfig)}, mixup="data.mixup")
 
 
 def micro_config(
@@ -47,7 +50,6 @@ def micro_config(
     """A small, fast, deterministic run as the launcher would settle it (no workers, no eval
     unless asked); `overrides` by option name, e.g. shard="full", lr=1e-2."""
     cfg = RunConfig(
-        backend=backend,
         model=ModelConfig(model, num_classes=10),
         data=DataConfig(workers=0, synthetic_length=128),
         batch_size=8,
@@ -57,6 +59,7 @@ def micro_config(
         eval=False,
         log_every=100,
     )
+    cfg = replace_path(cfg, "accel.backend", backend)
     for key, value in overrides.items():
         cfg = replace_path(cfg, PATHS.get(key, key), value)
     return cfg

@@ -1,7 +1,13 @@
-"""The command line's run configuration: small frozen dataclasses, each option declared once with
-its help, flag and valid range. The command line is generated from them (options.py), the
-launcher settles what is left open (resolve.py), job.py turns them into the library's own configs
-(accel/config.py), and the final config is saved in the run folder.
+"""The command line's run configuration: small frozen dataclasses of its own task, data and hosts,
+beside the library's own `BackendConfig` (RunConfig.accel), which it holds rather than declares
+again. The command line is generated from them (options.py), the launcher settles what is left
+open (resolve.py), job.py hands RunConfig.accel to `accel.prepare`, and the final config is saved
+in the run folder.
+
+Each of the command line's own options is declared once, as a field with its help, flag and
+range; each of the library's settings that is a flag is declared once, in LIBRARY_FLAGS: the one
+place where a library field (`step.accum`) meets the flag the command line spells it with
+(`--grad_accum`).
 
 Field metadata keys: help, flag (default --<name>), choices, min/max (inclusive), above/below
 (exclusive), group (help section of a top-level field), cli=False (not an option), resume="same"
@@ -23,13 +29,10 @@ from accel.cli.console import BEST_METRICS
 from accel.cli.data.config import DataConfig
 from accel.cli.models.factory import ModelConfig
 from accel.config import (
-    AMP_LEVELS,
-    ATTENTION_CHOICES,
-    BACKENDS,
-    PP_SCHEDULES,
-    REMAT_CHOICES,
-    SHARD_MODES,
     AccelError,
+    BackendConfig,
+    MeshConfig,
+    StepConfig,
     shared_compile_cache,
 )
 
@@ -46,13 +49,14 @@ RUN, PRECISION, OUTPUT = "Run", "Precision and kernels", "Output, checkpoints an
 
 @dataclass(frozen=True)
 class OptimConfig:
+    """The optimizer, its schedule and the weights' moving average (the step's gradient
+    clipping and accumulation are the library's: LIBRARY_FLAGS)."""
+
     lr: float = option(1e-3, "peak learning rate (AdamW)", above=0)
     weight_decay: float = option(0.05, "AdamW weight decay (not on norms and biases)", min=0)
     betas: tuple[float, float] = option((0.9, 0.999), "AdamW betas", min=0, below=1)
     warmup_steps: int = option(0, "linear warm-up steps of the cosine schedule", min=0)
     min_lr: float = option(1e-6, "learning rate at the end of the schedule", min=0)
-    clip_grad: float = option(1.0, "max gradient norm (0 = no clipping)", min=0)
-    grad_accum: int = option(1, "micro-steps per optimizer step", min=1)
     warmup_epochs: float = option(0.0, "warm-up epochs (added to --warmup_steps)", min=0)
     layer_decay: float = option(
         0.0,
@@ -60,33 +64,17 @@ class OptimConfig:
         min=0,
         max=1,
     )
+    # timm's ModelEmaV3 policy, which job.py turns into the decay function the library's
+    # `step.ema` takes (the library takes a decay or a function of the step, not these three).
     model_ema: bool = option(False, "keep an exponential moving average of the weights")
     model_ema_decay: float = option(0.9998, "its decay", min=0, below=1)
     model_ema_warmup: bool = option(False, "warm the decay up, as timm's ModelEmaV3")
 
 
 @dataclass(frozen=True)
-class ParallelConfig:
-    nproc_per_node: int = option(1, "processes (eager, compile) or devices (xla, jax)", min=1)
-    shard: str = option(
-        "none",
-        "split weights, gradients and optimizer state over the data-parallel replicas: full "
-        "(FSDP2 per block on eager/compile; sharded arrays on jax), grad_op (weights kept "
-        "gathered through the step: ZeRO-2's traffic), none (replicas)",
-        choices=SHARD_MODES,
-    )
-    tp: int = option(
-        1,
-        "split each transformer block's attention and MLP over N ranks (Megatron's columns and "
-        "rows): a dp x tp mesh",
-        min=1,
-    )
-    tp_head: int = option(
-        1, "split the classifier's classes over N ranks (the --tp ranks where given)", min=1
-    )
-    pp: int = option(1, "cut a ViT into N pipeline stages: a dp x pp mesh", min=1)
-    pp_schedule: str = option("1f1b", "pipeline schedule", choices=PP_SCHEDULES)
-    pp_microbatches: int = option(4, "micro-batches a batch streams through the pipeline in", min=1)
+class HostsConfig:
+    """The hosts a job spans and how they meet (the mesh over their devices is the library's)."""
+
     nnodes: int = option(1, "hosts the job spans (one launcher a host)", min=1)
     node_rank: int = option(0, "this host's place among them (with --master_addr)", min=0)
     master_addr: str = option("", "rank 0's host, reachable from every node (static rendezvous)")
@@ -94,34 +82,18 @@ class ParallelConfig:
     rdzv_endpoint: str = option(
         "", "host:port of a c10d rendezvous (instead of --master_addr/--master_port)"
     )
-    rdzv_timeout: int = option(300, "seconds to wait for every node to join", min=1)
 
 
-@dataclass(frozen=True)
-class CompilerConfig:
-    max_recompiles: int = option(
-        -1, "stop when more graphs than this compile after warm-up (-1: no limit)", min=-1
-    )
-    compile_cache: str = option(
-        "",
-        "persistent compilation cache folder (default ACCEL_COMPILE_CACHE/BACKEND where that is "
-        "set, else OUTPUT/.compile_cache/BACKEND)",
-    )
-    loader_prefetch: int = option(8, "host batches queued ahead of the device transfer", min=1)
-    device_prefetch: int = option(4, "batches already on the device ahead of the step", min=1)
-    grad_reduce: str = option(
-        "all_reduce",
-        "xla: explicit xm.all_reduce of the gradients, or torch_xla's reduce_gradients (what "
-        "xm.optimizer_step does)",
-        choices=("all_reduce", "optimizer_step"),
-    )
+def command_line_defaults() -> BackendConfig:
+    """The library's settings as a run of the command line starts them: gradients clipped at a
+    norm of 1 (timm's and Swin's recipes clip; a script's prepare() clips only when asked), and
+    one process or device until --nproc_per_node says more (ACCEL_DEVICES is a script's)."""
+    return BackendConfig(step=StepConfig(clip_grad=1.0), mesh=MeshConfig(devices=1))
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    backend: str | None = option(
-        None, "default: eager, or the XLA path when USE_ACCEL=1", choices=BACKENDS, group=RUN
-    )
+    accel: BackendConfig = field(default_factory=command_line_defaults)
     recipe: str = option(
         "",
         "a published recipe's hyper-parameters (explicit options override them)",
@@ -131,47 +103,18 @@ class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    compiler: CompilerConfig = field(default_factory=CompilerConfig)
+    hosts: HostsConfig = field(default_factory=HostsConfig)
     batch_size: int = option(32, "images per device and micro-step", min=1, group=RUN)
     steps: int | None = option(
         None, f"optimizer steps (default: {DEFAULT_EPOCHS} epoch)", min=1, group=RUN
     )
     epochs: int | None = option(None, "epochs (instead of --steps)", min=1, group=RUN)
-    seed: int = option(
-        0, "seed of weights, data order, augmentation and dropout", group=RUN, resume="same"
-    )
     nan_policy: str = option(
         "stop",
         "a step with a non-finite loss or gradient never updates the weights; then skip it and "
         "go on, or stop (checkpoint, exit 4) at the next loss fetch (--log_every)",
         choices=("skip", "stop"),
         group=RUN,
-    )
-    amp_level: str = option("O0", "mixed precision level", choices=AMP_LEVELS, group=PRECISION)
-    amp_dtype: str = option(
-        "bfloat16", "low-precision dtype", choices=("bfloat16", "float16"), group=PRECISION
-    )
-    kernel_opt: bool = option(
-        False,
-        "the backend's extra fused paths (--backends lists them)",
-        flag="--kernel-opt",
-        group=PRECISION,
-    )
-    remat: str = option(
-        "none",
-        "recompute each block's activations in the backward, for memory: none, dots (keep the "
-        "matmuls' outputs) or full",
-        choices=REMAT_CHOICES,
-        group=PRECISION,
-    )
-    attention: str = option(
-        "auto",
-        "jax's attention: XLA's ops, cuDNN flash attention (CUDA GPU), a fused Pallas kernel for "
-        "short biased windows (pallas), or by shape (auto: cuDNN for long unbiased sequences, "
-        "pallas for Swin's windows on a GPU, XLA for the rest); the other backends use torch's",
-        choices=ATTENTION_CHOICES,
-        group=PRECISION,
     )
     output: str = option("runs", "output folder", group=OUTPUT)
     run_name: str = option("", "run folder name (default: a timestamp)", group=OUTPUT)
@@ -213,11 +156,22 @@ class RunConfig:
         0.0, "accelerator bf16 peak TFLOP/s for MFU (default: looked up)", min=0, group=OUTPUT
     )
 
+    @property
+    def backend(self) -> str | None:
+        """The backend's name (None until the launcher settles it)."""
+        return self.accel.backend
+
+    @property
+    def seed(self) -> int:
+        """The run's seed: the step's random draws, and the command line's weights, data order
+        and augmentation too."""
+        return self.accel.step.seed
+
     def compile_cache_dir(self) -> Path:
         """--compile_cache, else ACCEL_COMPILE_CACHE/BACKEND (one folder for many runs' outputs,
         so that a run reuses what another compiled), else OUTPUT/.compile_cache/BACKEND."""
-        if self.compiler.compile_cache:
-            return Path(self.compiler.compile_cache)
+        if self.accel.compiler.cache_dir:
+            return Path(self.accel.compiler.cache_dir)
         backend = str(self.backend)
         return shared_compile_cache(backend) or Path(self.output) / ".compile_cache" / backend
 
@@ -229,6 +183,165 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+# --- the library's settings as flags ----------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    """One of the library's settings (a field of accel.config.BackendConfig, under
+    RunConfig.accel) as a flag: how the command line spells it, its help and metadata (the
+    keys above)."""
+
+    field: str  # its path in BackendConfig: "step.accum"
+    flag: str  # "--grad_accum"
+    help: str
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Placed:
+    """Library flags shown together in --help, in a section, beside one of the command line's
+    own options (`after` it, or `before` it), as the seed's --help has always shown them."""
+
+    section: str
+    flags: tuple[Flag, ...]
+    after: str = ""
+    before: str = ""
+
+
+_SPLIT = (
+    "split weights, gradients and optimizer state over the data-parallel replicas: full (FSDP2 "
+    "per block on eager/compile; sharded arrays on jax), grad_op (weights kept gathered through "
+    "the step: ZeRO-2's traffic), none (replicas)"
+)
+_ATTENTION = (
+    "jax's attention: XLA's ops, cuDNN flash attention (CUDA GPU), a fused Pallas kernel for "
+    "short biased windows (pallas), or by shape (auto: cuDNN for long unbiased sequences, pallas "
+    "for Swin's windows on a GPU, XLA for the rest); the other backends use torch's"
+)
+_REMAT = (
+    "recompute each block's activations in the backward, for memory: none, dots (keep the "
+    "matmuls' outputs) or full"
+)
+
+# Every library setting the command line offers, and the flag it offers it as. Fields of
+# BackendConfig not listed here are not flags: step.ema (job.py makes it from --model_ema*) and
+# mesh.tp_plan (found by module type).
+LIBRARY_FLAGS: tuple[Placed, ...] = (
+    Placed(RUN, before="recipe", flags=(
+        Flag("backend", "--backend", "default: eager, or the XLA path when USE_ACCEL=1"),
+    )),
+    Placed(RUN, after="epochs", flags=(
+        Flag("step.seed", "--seed", "seed of weights, data order, augmentation and dropout",
+             {"resume": "same"}),
+    )),
+    Placed("optim", after="optim.min_lr", flags=(
+        Flag("step.clip_grad", "--clip_grad", "max gradient norm (0 = no clipping)", {"min": 0}),
+        Flag("step.accum", "--grad_accum", "micro-steps per optimizer step", {"min": 1}),
+    )),
+    Placed("hosts", before="hosts.nnodes", flags=(
+        Flag("mesh.devices", "--nproc_per_node",
+             "processes (eager, compile) or devices (xla, jax)", {"min": 1}),
+        Flag("mesh.shard", "--shard", _SPLIT),
+        Flag("mesh.tp", "--tp", "split each transformer block's attention and MLP over N ranks "
+             "(Megatron's columns and rows): a dp x tp mesh", {"min": 1}),
+        Flag("mesh.tp_head", "--tp_head",
+             "split the classifier's classes over N ranks (the --tp ranks where given)",
+             {"min": 1}),
+        Flag("mesh.pp", "--pp", "cut a ViT into N pipeline stages: a dp x pp mesh", {"min": 1}),
+        Flag("mesh.pp_schedule", "--pp_schedule", "pipeline schedule"),
+        Flag("mesh.pp_microbatches", "--pp_microbatches",
+             "micro-batches a batch streams through the pipeline in", {"min": 1}),
+    )),
+    Placed("hosts", after="hosts.rdzv_endpoint", flags=(
+        Flag("mesh.rdzv_timeout", "--rdzv_timeout", "seconds to wait for every node to join",
+             {"min": 1}),
+    )),
+    Placed("compiler", after="hosts.rdzv_endpoint", flags=(
+        Flag("compiler.max_recompiles", "--max_recompiles",
+             "stop when more graphs than this compile after warm-up (-1: no limit)",
+             {"min": -1}),
+        Flag("compiler.cache_dir", "--compile_cache",
+             "persistent compilation cache folder (default ACCEL_COMPILE_CACHE/BACKEND where "
+             "that is set, else OUTPUT/.compile_cache/BACKEND)"),
+        Flag("compiler.loader_prefetch", "--loader_prefetch",
+             "host batches queued ahead of the device transfer", {"min": 1}),
+        Flag("compiler.device_prefetch", "--device_prefetch",
+             "batches already on the device ahead of the step", {"min": 1}),
+        Flag("compiler.grad_reduce", "--grad_reduce",
+             "xla: explicit xm.all_reduce of the gradients, or torch_xla's reduce_gradients "
+             "(what xm.optimizer_step does)"),
+    )),
+    Placed(PRECISION, after="nan_policy", flags=(
+        Flag("step.amp", "--amp_level", "mixed precision level"),
+        Flag("step.amp_dtype", "--amp_dtype", "low-precision dtype"),
+        Flag("step.kernel_opt", "--kernel-opt",
+             "the backend's extra fused paths (--backends lists them)"),
+        Flag("step.remat", "--remat", _REMAT),
+        Flag("step.attention", "--attention", _ATTENTION),
+    )),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Option:
+    """One flag of launch_single_task, the command line's own or the library's: the field it
+    sets (its dotted path in RunConfig), its type and default there, its help section and its
+    metadata."""
+
+    path: str
+    kind: Any
+    default: Any
+    section: str
+    meta: Mapping[str, Any]
+
+    @property
+    def flag(self) -> str:
+        return self.meta.get("flag", "--" + self.path.rsplit(".", 1)[-1])
+
+    @property
+    def metavar(self) -> str:
+        return self.meta.get("metavar", self.path.rsplit(".", 1)[-1].upper())
+
+    @property
+    def choices(self) -> tuple[Any, ...]:
+        """Its metadata's choices, else a Literal type's values."""
+        kind = self.kind
+        if typing.get_origin(kind) is typing.Union:
+            kind = next(a for a in typing.get_args(kind) if a is not type(None))
+        literal = typing.get_args(kind) if typing.get_origin(kind) is typing.Literal else ()
+        return tuple(self.meta.get("choices", literal))
+
+
+def _own_option(path: str, f: dataclasses.Field, kind: Any) -> Option:
+    section = f.metadata.get("group", RUN) if "." not in path else path.rsplit(".", 1)[0]
+    return Option(path, kind, f.default, section, f.metadata)
+
+
+def _library_option(placed: Placed, flag: Flag, types: Mapping[str, Any]) -> Option:
+    path = f"accel.{flag.field}"
+    # Shown as the flag's name (NPROC_PER_NODE), not the library field's (DEVICES).
+    metavar = flag.flag.lstrip("-").upper()
+    meta = {"help": flag.help, "flag": flag.flag, "metavar": metavar, **flag.meta}
+    return Option(path, types[path], get_path(RunConfig(), path), placed.section, meta)
+
+
+def options() -> list[Option]:
+    """Every flag of launch_single_task's config, in --help's order: the command line's own
+    fields (but cli=False) with the library's flags placed among them."""
+    leaves = leaf_fields(RunConfig)
+    types = {path: kind for path, _, kind in leaves}
+    out: list[Option] = []
+    for path, f, kind in leaves:
+        if path.startswith("accel.") or f.metadata.get("cli") is False:
+            continue
+        own = _own_option(path, f, kind)
+        before = [p for p in LIBRARY_FLAGS if p.before == path]
+        after = [p for p in LIBRARY_FLAGS if p.after == path]
+        out += [_library_option(p, flag, types) for p in before for flag in p.flags]
+        out.append(own)
+        out += [_library_option(p, flag, types) for p in after for flag in p.flags]
+    return out
 
 
 # --- reading and walking the dataclass tree --------------------------------------------------
@@ -249,9 +362,11 @@ def leaf_fields(cls: type, prefix: str = "") -> list[tuple[str, dataclasses.Fiel
     return out
 
 
-def from_dict(cls: type, raw: dict[str, Any]) -> Any:
-    """A (frozen) dataclass from a nested dict, defaults for what it leaves out; the inverse of
-    dataclasses.asdict, and how the parsed command line becomes a config."""
+def from_dict(cls: type, raw: dict[str, Any], base: Any = None) -> Any:
+    """A (frozen) dataclass from a nested dict, the defaults (`base`'s values, else the class's)
+    for what it leaves out; the inverse of dataclasses.asdict, and how the parsed command line
+    becomes a config."""
+    base = cls() if base is None else base
     types = field_types(cls)
     values = {}
     for f in dataclasses.fields(cls):
@@ -259,11 +374,11 @@ def from_dict(cls: type, raw: dict[str, Any]) -> Any:
             continue
         kind, value = types[f.name], raw[f.name]
         if dataclasses.is_dataclass(kind):
-            value = from_dict(cast(type, kind), value)
+            value = from_dict(cast(type, kind), value, getattr(base, f.name))
         elif isinstance(value, list):
             value = tuple(value)
         values[f.name] = value
-    return cls(**values)
+    return dataclasses.replace(base, **values)
 
 
 def get_path(cfg: Any, dotted: str) -> Any:
@@ -291,26 +406,22 @@ def replace_path(cfg: Any, dotted: str, value: Any) -> Any:
     return dataclasses.replace(cfg, **{head: replace_path(getattr(cfg, head), rest, value)})
 
 
-def flag_of(path: str, f: dataclasses.Field) -> str:
-    return f.metadata.get("flag", "--" + path.rsplit(".", 1)[-1])
-
-
 def data_replicas(cfg: RunConfig) -> int:
     """Devices the data is split over: every node's processes or devices, over the
     model-parallel size (the ranks of a tp or pp group train on the same batch)."""
-    par = cfg.parallel
-    return par.nnodes * par.nproc_per_node // (max(par.tp, par.tp_head) * par.pp)
+    mesh = cfg.accel.mesh
+    return cfg.hosts.nnodes * mesh.devices // (max(mesh.tp, mesh.tp_head) * mesh.pp)
 
 
 def global_batch(cfg: RunConfig) -> int:
     """Images an optimizer step trains on: what a checkpoint must resume with (its data order
     is then the saved run's where the replicas are too; --batch_size may be split otherwise)."""
-    return cfg.batch_size * data_replicas(cfg) * cfg.optim.grad_accum
+    return cfg.batch_size * data_replicas(cfg) * cfg.accel.step.accum
 
 
 def resume_keys() -> list[str]:
     """Options a checkpoint must be resumed with unchanged (metadata resume="same")."""
-    return [path for path, f, _ in leaf_fields(RunConfig) if f.metadata.get("resume") == "same"]
+    return [o.path for o in options() if o.meta.get("resume") == "same"]
 
 
 # --- validation: ranges from the metadata, then what ties options together --------------------
@@ -332,48 +443,45 @@ def _range_error(flag: str, value: Any, meta: Mapping[str, Any]) -> str | None:
 
 def check_ranges(cfg: RunConfig) -> None:
     """Every option against the range and choices it declares."""
-    for path, f, _ in leaf_fields(RunConfig):
-        value, meta = get_path(cfg, path), f.metadata
-        if value is None or meta.get("cli") is False:
+    for opt in options():
+        value = get_path(cfg, opt.path)
+        if value is None:
             continue
-        choices = meta.get("choices")
-        if choices and value not in choices:
-            raise AccelError(f"{flag_of(path, f)}: '{value}' is not one of {', '.join(choices)}")
-        problem = _range_error(flag_of(path, f), value, meta)
+        if opt.choices and value not in opt.choices:
+            raise AccelError(f"{opt.flag}: '{value}' is not one of {', '.join(opt.choices)}")
+        problem = _range_error(opt.flag, value, opt.meta)
         if problem:
             raise AccelError(problem)
 
 
 def check_combinations(cfg: RunConfig) -> None:
     """Options that cannot work together, whatever the backend."""
-    par = cfg.parallel
-    procs = par.nnodes * par.nproc_per_node
+    hosts, mesh = cfg.hosts, cfg.accel.mesh
+    procs = hosts.nnodes * mesh.devices
     if cfg.steps is not None and cfg.epochs is not None:
         raise AccelError("give --steps or --epochs, not both")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
         raise AccelError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
-    tp = max(par.tp, par.tp_head)  # tp against tp_head: accel.settle
-    split = tp * par.pp
+    tp = max(mesh.tp, mesh.tp_head)  # tp against tp_head: accel.settle
+    split = tp * mesh.pp
     if split > 1 and procs % split:
-        where = f" x --nnodes {par.nnodes}" if par.nnodes > 1 else ""
-        tp_flag = "--tp" if par.tp > 1 else "--tp_head"
+        where = f" x --nnodes {hosts.nnodes}" if hosts.nnodes > 1 else ""
+        tp_flag = "--tp" if mesh.tp > 1 else "--tp_head"
         sizes = " x ".join(
-            f"{flag} {size}" for flag, size in ((tp_flag, tp), ("--pp", par.pp)) if size > 1
+            f"{flag} {size}" for flag, size in ((tp_flag, tp), ("--pp", mesh.pp)) if size > 1
         )
-        raise AccelError(
-            f"--nproc_per_node {par.nproc_per_node}{where} is not divisible by {sizes}"
-        )
-    if par.nnodes > 1 and not (par.master_addr or par.rdzv_endpoint):
+        raise AccelError(f"--nproc_per_node {mesh.devices}{where} is not divisible by {sizes}")
+    if hosts.nnodes > 1 and not (hosts.master_addr or hosts.rdzv_endpoint):
         raise AccelError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
-    if par.nnodes > 1 and not cfg.run_name:
+    if hosts.nnodes > 1 and not cfg.run_name:
         raise AccelError("--nnodes > 1: give every node the same --run_name")
-    if par.node_rank >= par.nnodes:
-        raise AccelError(f"--node_rank {par.node_rank} is not below --nnodes {par.nnodes}")
+    if hosts.node_rank >= hosts.nnodes:
+        raise AccelError(f"--node_rank {hosts.node_rank} is not below --nnodes {hosts.nnodes}")
     check_training_options(cfg)
-    if par.pp > 1 and cfg.batch_size % par.pp_microbatches:
+    if mesh.pp > 1 and cfg.batch_size % mesh.pp_microbatches:
         raise AccelError(
             f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "
-            f"{par.pp_microbatches}"
+            f"{mesh.pp_microbatches}"
         )
 
 
@@ -383,7 +491,7 @@ def check_training_options(cfg: RunConfig) -> None:
     for flag, (low, high) in (("--scale", data.scale), ("--ratio", data.ratio)):
         if low > high:
             raise AccelError(f"{flag} {low} {high}: the first value is the lower bound")
-    if data.reprob > 0 and cfg.parallel.pp > 1:
+    if data.reprob > 0 and cfg.accel.mesh.pp > 1:
         raise AccelError("--reprob with --pp: random erasing is not part of the pipeline stages")
     if model.pretrained and model.pretrained_path:
         raise AccelError("give --pretrained or --pretrained_path, not both")

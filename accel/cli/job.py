@@ -6,6 +6,7 @@ loss, timm's cosine schedule and the EMA decay. Nothing here touches a backend.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import cast
 
@@ -16,10 +17,10 @@ from timm.utils import ModelEmaV3
 from torch import nn
 
 import accel
-from accel.cli.config import OptimConfig, ParallelConfig, RunConfig
+from accel.cli.config import OptimConfig, RunConfig
 from accel.cli.models.factory import ImageClassifier, create_model, meta_model
 from accel.cli.task import classifier_loss
-from accel.config import BackendConfig, CompilerConfig, MeshConfig, StepConfig
+from accel.config import BackendConfig
 from accel.engine import Engine
 from accel.loop import LoopPart
 
@@ -113,46 +114,16 @@ def adamw(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas)
 
 
-def step_config(cfg: RunConfig) -> StepConfig:
-    optim = cfg.optim
-    return StepConfig(
-        amp=cfg.amp_level,  # type: ignore[arg-type]  # checked against its choices by resolve
-        amp_dtype=cfg.amp_dtype,  # type: ignore[arg-type]
-        clip_grad=optim.clip_grad,
-        accum=optim.grad_accum,
-        ema=EmaDecay(optim) if optim.model_ema else 0.0,
-        seed=cfg.seed,
-        remat=cfg.remat,  # type: ignore[arg-type]  # checked against its choices
-        kernel_opt=cfg.kernel_opt,
-        attention=cfg.attention,  # type: ignore[arg-type]  # checked against its choices
-    )
-
-
-def mesh_config(par: ParallelConfig) -> MeshConfig:
-    """The library's mesh, from the command line's parallel options."""
-    return MeshConfig(
-        devices=par.nproc_per_node,
-        shard=par.shard,  # type: ignore[arg-type]
-        tp=par.tp,
-        tp_head=par.tp_head,
-        pp=par.pp,
-        pp_schedule=par.pp_schedule,  # type: ignore[arg-type]
-        pp_microbatches=par.pp_microbatches,
-        rdzv_timeout=par.rdzv_timeout,
-    )
-
-
 def backend_config(cfg: RunConfig) -> BackendConfig:
-    """The library's config of the run's backend, from the command line's options."""
-    comp = cfg.compiler
-    compiler = CompilerConfig(
-        cache_dir=str(cfg.compile_cache_dir()),
-        max_recompiles=comp.max_recompiles,
-        loader_prefetch=comp.loader_prefetch,
-        device_prefetch=comp.device_prefetch,
-        grad_reduce=comp.grad_reduce,  # type: ignore[arg-type]
+    """The library's config of the run (RunConfig.accel), with what the command line settles in
+    its own terms: the EMA decay from --model_ema*, and the compile cache's folder."""
+    optim, accel_cfg = cfg.optim, cfg.accel
+    ema = EmaDecay(optim) if optim.model_ema else accel_cfg.step.ema
+    return dataclasses.replace(
+        accel_cfg,
+        step=dataclasses.replace(accel_cfg.step, ema=ema),
+        compiler=dataclasses.replace(accel_cfg.compiler, cache_dir=str(cfg.compile_cache_dir())),
     )
-    return BackendConfig(cfg.backend, step_config(cfg), mesh_config(cfg.parallel), compiler)  # type: ignore[arg-type]
 
 
 def run_model(cfg: RunConfig) -> tuple[ImageClassifier, Callable[[], ImageClassifier]]:

@@ -78,26 +78,27 @@ def job_exit_code(failures: Mapping[int, Any]) -> tuple[int, list[int]]:
 def rendezvous(cfg: RunConfig) -> list[str]:
     """torchrun's arguments for how this host's processes find the others: a single host, a
     static rendezvous at rank 0's address (--master_addr), or a c10d one (--rdzv_endpoint)."""
-    par = cfg.parallel
-    if par.nnodes == 1:
+    hosts = cfg.hosts
+    if hosts.nnodes == 1:
         return ["--standalone"]
     # Read by the static rendezvous (timeout) and by c10d (join_timeout).
-    wait = f"timeout={par.rdzv_timeout},join_timeout={par.rdzv_timeout}"
-    args = [f"--nnodes={par.nnodes}", f"--rdzv_conf={wait}"]
-    if par.rdzv_endpoint:
-        backend = ("--rdzv_backend=c10d", f"--rdzv_endpoint={par.rdzv_endpoint}")
+    timeout = cfg.accel.mesh.rdzv_timeout
+    wait = f"timeout={timeout},join_timeout={timeout}"
+    args = [f"--nnodes={hosts.nnodes}", f"--rdzv_conf={wait}"]
+    if hosts.rdzv_endpoint:
+        backend = ("--rdzv_backend=c10d", f"--rdzv_endpoint={hosts.rdzv_endpoint}")
         return [*args, *backend, f"--rdzv_id={cfg.run_name}"]
-    place = (f"--node_rank={par.node_rank}", f"--master_addr={par.master_addr}")
-    return [*args, *place, f"--master_port={par.master_port}"]
+    place = (f"--node_rank={hosts.node_rank}", f"--master_addr={hosts.master_addr}")
+    return [*args, *place, f"--master_port={hosts.master_port}"]
 
 
 def rendezvous_failure(cfg: RunConfig, err: BaseException) -> str:
-    par = cfg.parallel
-    where = par.rdzv_endpoint or f"{par.master_addr}:{par.master_port}"
+    hosts = cfg.hosts
+    where = hosts.rdzv_endpoint or f"{hosts.master_addr}:{hosts.master_port}"
     reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return (
-        f"the {par.nnodes} nodes did not all join the rendezvous at {where} within "
-        f"--rdzv_timeout {par.rdzv_timeout} s ({reason})"
+        f"the {hosts.nnodes} nodes did not all join the rendezvous at {where} within "
+        f"--rdzv_timeout {cfg.accel.mesh.rdzv_timeout} s ({reason})"
     )
 
 
@@ -123,7 +124,7 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
 
     args = [
         *rendezvous(cfg),
-        f"--nproc_per_node={cfg.parallel.nproc_per_node}",
+        f"--nproc_per_node={cfg.accel.mesh.devices}",
         "--module",
         "accel.launch_single_task",
         *argv,
@@ -148,9 +149,15 @@ def spawn(cfg: RunConfig, argv: list[str]) -> int:
 
 
 def same_everywhere(cfg: RunConfig) -> None:
-    """Every rank (on every node) was started with the same options, this host's own aside."""
-    local = ("parallel.node_rank", "data.workers", "compiler.compile_cache")
-    mine = {path: get_path(cfg, path) for path, _, _ in leaf_fields(RunConfig) if path not in local}
+    """Every rank (on every node) was started with the same options, this host's own aside.
+    The library's settings (RunConfig.accel) prepare has compared already, as for any script:
+    here only the command line's own."""
+    local = ("hosts.node_rank", "data.workers")
+    mine = {
+        path: get_path(cfg, path)
+        for path, _, _ in leaf_fields(RunConfig)
+        if path not in local and not path.startswith("accel.")
+    }
     difference = first_difference(mine)
     if difference:
         raise AccelError(f"the ranks were started with different options: {difference}")
@@ -187,12 +194,12 @@ def join_processes(cfg: RunConfig) -> None:
     """--nnodes for a backend whose replicas are devices (jax): its processes, one a host, meet
     at the coordinator the JAX_* variables name, set here from the rendezvous options where the
     user has not set them."""
-    par = cfg.parallel
-    if par.nnodes > 1 and not os.environ.get("JAX_COORDINATOR_ADDRESS"):  # set by the user
-        address = par.rdzv_endpoint or f"{par.master_addr}:{par.master_port}"
+    hosts = cfg.hosts
+    if hosts.nnodes > 1 and not os.environ.get("JAX_COORDINATOR_ADDRESS"):  # set by the user
+        address = hosts.rdzv_endpoint or f"{hosts.master_addr}:{hosts.master_port}"
         os.environ["JAX_COORDINATOR_ADDRESS"] = address
-        os.environ["JAX_NUM_PROCESSES"] = str(par.nnodes)
-        os.environ["JAX_PROCESS_ID"] = str(par.node_rank)
+        os.environ["JAX_NUM_PROCESSES"] = str(hosts.nnodes)
+        os.environ["JAX_PROCESS_ID"] = str(hosts.node_rank)
 
 
 def run(argv: list[str]) -> int:
@@ -217,10 +224,10 @@ def run(argv: list[str]) -> int:
         join_processes(cfg)
     # The first process of the first node speaks (the rank torchrun or srun gave this process,
     # or its JAX_PROCESS_ID).
-    speaks = process_index() == 0 and SPAWNED not in os.environ and cfg.parallel.node_rank == 0
+    speaks = process_index() == 0 and SPAWNED not in os.environ and cfg.hosts.node_rank == 0
     for note in notes if speaks else ():
         print(f"accel: {note}", flush=True)
-    several = cfg.parallel.nproc_per_node > 1 or cfg.parallel.nnodes > 1
+    several = cfg.accel.mesh.devices > 1 or cfg.hosts.nnodes > 1
     if several and processes and not launched_by_torchrun():
         code = spawn(cfg, argv)
         if code:

@@ -29,20 +29,20 @@ def process_state_bytes(cfg: RunConfig, replicas: str) -> tuple[int, int]:
         model = create_model(cfg.model)
     params = sum(p.numel() for p in model.parameters())
     head = sum(p.numel() for p in model.classifier_parameters())
-    par, per = cfg.parallel, bytes_per_parameter(cfg.amp_level)
-    procs = par.nproc_per_node
-    tp = max(par.tp, par.tp_head)
-    dp = max(1, par.nnodes * procs // (tp * par.pp))
+    mesh, per = cfg.accel.mesh, bytes_per_parameter(cfg.accel.step.amp)
+    procs = mesh.devices
+    tp = max(mesh.tp, mesh.tp_head)
+    dp = max(1, cfg.hosts.nnodes * procs // (tp * mesh.pp))
     # Each split divides what a rank holds (the tensor split's replicated norms and embeddings
     # are left out: this is the least a rank can hold, and only that is refused).
-    held = params / par.pp
-    if par.tp > 1:
-        held /= par.tp
-    elif par.tp_head > 1:
-        held = held - head + head / par.tp_head
-    if par.shard == "full" and dp > 1:
+    held = params / mesh.pp
+    if mesh.tp > 1:
+        held /= mesh.tp
+    elif mesh.tp_head > 1:
+        held = held - head + head / mesh.tp_head
+    if mesh.shard == "full" and dp > 1:
         held /= dp
-    if replicas == "devices" and par.shard == "none":
+    if replicas == "devices" and mesh.shard == "none":
         return int(held * per * procs), 1  # one process drives every device's replica
     return int(held * per), procs
 

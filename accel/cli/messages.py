@@ -12,28 +12,18 @@ from __future__ import annotations
 
 import re
 
-# prepare's keyword (or config field) -> the command line's flag for it
+from accel.cli.config import LIBRARY_FLAGS
+
+# prepare's keyword (a field of the library's config) -> the command line's flag for it: read
+# from LIBRARY_FLAGS, the one table of the two spellings (the EMA decay, which the command line
+# builds from --model_ema*, named by its switch).
 KEYWORD_FLAGS = {
-    "devices": "--nproc_per_node",
-    "amp": "--amp_level",
-    "amp_dtype": "--amp_dtype",
+    **{
+        flag.field.rsplit(".", 1)[-1]: flag.flag
+        for placed in LIBRARY_FLAGS
+        for flag in placed.flags
+    },
     "ema": "--model_ema",
-    "kernel_opt": "--kernel-opt",
-    "accum": "--grad_accum",
-    "clip_grad": "--clip_grad",
-    "shard": "--shard",
-    "tp": "--tp",
-    "tp_head": "--tp_head",
-    "pp": "--pp",
-    "pp_schedule": "--pp_schedule",
-    "pp_microbatches": "--pp_microbatches",
-    "remat": "--remat",
-    "attention": "--attention",
-    "max_recompiles": "--max_recompiles",
-    "compile_cache": "--compile_cache",
-    "backend": "--backend",
-    "seed": "--seed",
-    "data_device": "--data_device",
 }
 _KEYWORD = re.compile(
     r"(?<![\w.\-])("

@@ -1,16 +1,16 @@
-"""launch_single_task's command line, generated from the config dataclasses: an option added to a
+"""launch_single_task's command line, generated from the config's options (accel/cli/config.py
+options(): the command line's own fields and the library's LIBRARY_FLAGS): an option added to a
 dataclass is a flag here, a key of config.json and a value the resume check sees."""
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import difflib
 import types
 import typing
 from typing import Any
 
-from accel.cli.config import RunConfig, flag_of, from_dict, leaf_fields, set_nested
+from accel.cli.config import Option, RunConfig, from_dict, options, set_nested
 from accel.cli.recipes import apply_recipe
 
 # Help sections, in order: a nested config's fields go under its title, a top-level field under
@@ -22,7 +22,7 @@ SECTIONS = {
     "data.mixup": "Mixup and CutMix (on the host, at collate time)",
     "optim": "Optimizer and schedule",
     "Precision and kernels": "Precision and kernels",
-    "parallel": "Parallelism",
+    "hosts": "Parallelism",
     "compiler": "XLA compiler backends (xla, jax)",
     "Output, checkpoints and logging": "Output, checkpoints and logging",
 }
@@ -66,23 +66,19 @@ class OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _section(path: str, f: dataclasses.Field) -> str:
-    if "." not in path:
-        return f.metadata.get("group", "Run")
-    return path.rsplit(".", 1)[0]
-
-
 def _base_type(kind: Any) -> Any:
-    """int for `int | None`, and so on."""
+    """int for `int | None`, str for a Literal of strings, and so on."""
     if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
-        return next(a for a in typing.get_args(kind) if a is not type(None))
+        kind = next(a for a in typing.get_args(kind) if a is not type(None))
+    if typing.get_origin(kind) is typing.Literal:
+        return type(typing.get_args(kind)[0])
     return kind
 
 
-def _add_option(group: Any, path: str, f: dataclasses.Field, kind: Any) -> None:
-    meta, default = f.metadata, f.default
-    kwargs: dict[str, Any] = {"dest": path, "default": argparse.SUPPRESS}
-    base, name = _base_type(kind), path.rsplit(".", 1)[-1].upper()
+def _add_option(group: Any, opt: Option) -> None:
+    meta, default = opt.meta, opt.default
+    kwargs: dict[str, Any] = {"dest": opt.path, "default": argparse.SUPPRESS}
+    base, name = _base_type(opt.kind), opt.metavar
     if base is bool:
         kwargs["action"] = "store_false" if default else "store_true"
     elif typing.get_origin(base) is tuple:
@@ -90,13 +86,13 @@ def _add_option(group: Any, path: str, f: dataclasses.Field, kind: Any) -> None:
         kwargs.update(type=typing.get_args(base)[0], nargs=size, metavar=(name,) * size)
     else:
         kwargs.update(type=base, metavar=name)
-    if meta.get("choices"):
-        kwargs["choices"] = meta["choices"]
+    if opt.choices:
+        kwargs["choices"] = opt.choices
         kwargs.pop("metavar", None)
     said = base is bool or default in (None, "") or "default" in meta["help"]
     shown = "" if said else f" (default: {_shown(default)})"
     kwargs["help"] = meta["help"] + shown
-    group.add_argument(flag_of(path, f), **kwargs)
+    group.add_argument(opt.flag, **kwargs)
 
 
 def _shown(value: Any) -> str:
@@ -126,9 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--backends", action="store_true", help="print what each backend supports, and exit"
     )
     groups = {key: parser.add_argument_group(title) for key, title in SECTIONS.items()}
-    for path, f, kind in leaf_fields(RunConfig):
-        if f.metadata.get("cli", True):
-            _add_option(groups[_section(path, f)], path, f, kind)
+    for opt in options():
+        _add_option(groups[opt.section], opt)
     return parser
 
 

@@ -51,7 +51,7 @@ RECIPES = {
             "epochs": 300,
             "optim.warmup_epochs": 20.0,
             "optim.min_lr": 5e-6,
-            "optim.clip_grad": 5.0,
+            "accel.step.clip_grad": 5.0,
         },
     ),
     "deit_base_in1k": Recipe(
@@ -67,7 +67,7 @@ RECIPES = {
             "epochs": 300,
             "optim.warmup_epochs": 5.0,
             "optim.min_lr": 1e-5,
-            "optim.clip_grad": 0.0,
+            "accel.step.clip_grad": 0.0,
             "optim.model_ema": True,
             "optim.model_ema_decay": 0.99996,
         },
@@ -86,7 +86,7 @@ RECIPES = {
             "epochs": 100,
             "optim.warmup_epochs": 5.0,
             "optim.min_lr": 1e-6,
-            "optim.clip_grad": 0.0,
+            "accel.step.clip_grad": 0.0,
         },
     ),
 }

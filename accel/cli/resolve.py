@@ -14,12 +14,12 @@ import accel
 from accel.backends import Supports
 from accel.checkpoint import read_meta
 from accel.cli.checkpoints import latest_checkpoint, resume_mismatches, saved_config
-from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, validate
+from accel.cli.config import DEFAULT_EPOCHS, RunConfig, data_replicas, replace_path, validate
 from accel.cli.data.augment import check_augment
 from accel.cli.data.config import DataConfig
 from accel.cli.data.folder import count_images
 from accel.cli.data.loaders import folder_num_classes
-from accel.cli.job import backend_config, mesh_config
+from accel.cli.job import backend_config
 from accel.cli.memory_check import check_memory
 from accel.cli.models.factory import check_input_size, check_model_name, create_model, meta_model
 from accel.cli.models.pretrained import fit, read_state_dict, source_of
@@ -55,37 +55,37 @@ def check_data(cfg: RunConfig) -> int:
 def check_model(cfg: RunConfig) -> None:
     check_model_name(cfg.model.name)
     check_input_size(cfg.model)
-    par = cfg.parallel
-    if par.pp < 2 and par.tp < 2:
+    mesh = cfg.accel.mesh
+    if mesh.pp < 2 and mesh.tp < 2:
         return
     with torch.device("meta"):
         vit = create_model(cfg.model).model
-    if par.tp > 1:  # the blocks split by module type: refused here if they cannot be
-        resolve_plan(vit, None, par.tp)
-    if par.pp < 2:
+    if mesh.tp > 1:  # the blocks split by module type: refused here if they cannot be
+        resolve_plan(vit, None, mesh.tp)
+    if mesh.pp < 2:
         return
     if not is_vit(vit):
         raise AccelError(f"--pp cuts ViT-style models by blocks; {cfg.model.name} is not one")
-    stages = par.pp * stages_per_rank(par.pp_schedule)
+    stages = mesh.pp * stages_per_rank(mesh.pp_schedule)
     if stages > len(vit.blocks):
         raise AccelError(
-            f"--pp {par.pp} ({par.pp_schedule}) needs {stages} stages, "
+            f"--pp {mesh.pp} ({mesh.pp_schedule}) needs {stages} stages, "
             f"{cfg.model.name} has {len(vit.blocks)} blocks"
         )
 
 
 def mesh_notes(cfg: RunConfig, replicas: str) -> list[str]:
     """The model-parallel mesh, and the padding of a split classifier."""
-    par = cfg.parallel
-    dims = ParallelDims.of(mesh_config(par), par.nnodes * par.nproc_per_node)
+    mesh = cfg.accel.mesh
+    dims = ParallelDims.of(mesh, cfg.hosts.nnodes * mesh.devices)
     if dims.tp == 1 and dims.pp == 1:
         return []
     line = dims.describe("processes" if replicas == "processes" else "devices")
-    if par.pp > 1:
-        line += f", {par.pp_schedule} schedule, {par.pp_microbatches} micro-batches"
-    if par.tp_head < 2:
+    if mesh.pp > 1:
+        line += f", {mesh.pp_schedule} schedule, {mesh.pp_microbatches} micro-batches"
+    if mesh.tp_head < 2:
         return [line]
-    classes, size = cast(int, cfg.model.num_classes), par.tp_head  # settled by resolve()
+    classes, size = cast(int, cfg.model.num_classes), mesh.tp_head  # settled by resolve()
     padded = -(-classes // size) * size
     if padded == classes:
         return [line]
@@ -99,7 +99,7 @@ def mesh_notes(cfg: RunConfig, replicas: str) -> list[str]:
 def check_gpu_count(cfg: RunConfig, replicas: str) -> None:
     """One process a GPU: no more processes than visible GPUs."""
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    procs = cfg.parallel.nproc_per_node
+    procs = cfg.accel.mesh.devices
     if replicas == "processes" and gpus and procs > gpus:
         raise AccelError(f"--nproc_per_node {procs} exceeds the {gpus} visible GPUs")
 
@@ -195,11 +195,11 @@ def jax_hosts(cfg: RunConfig, env: dict[str, str]) -> RunConfig:
     of one job, as with --nnodes: the global batch, the checkpoints' and the summary's, counts
     every process's share."""
     processes = int(env.get("JAX_NUM_PROCESSES") or 1)
-    if cfg.backend != "jax" or cfg.parallel.nnodes > 1 or processes < 2:
+    if cfg.backend != "jax" or cfg.hosts.nnodes > 1 or processes < 2:
         return cfg
     place = int(env.get("JAX_PROCESS_ID") or 0)
-    parallel = dataclasses.replace(cfg.parallel, nnodes=processes, node_rank=place)
-    return dataclasses.replace(cfg, parallel=parallel)
+    hosts = dataclasses.replace(cfg.hosts, nnodes=processes, node_rank=place)
+    return dataclasses.replace(cfg, hosts=hosts)
 
 
 def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, list[str]]:
@@ -208,7 +208,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
     validate(cfg)
     check_augment(cfg.data)
     backend, why = accel.resolve_backend(cfg.backend, env)
-    cfg = jax_hosts(dataclasses.replace(cfg, backend=backend), env)
+    cfg = jax_hosts(replace_path(cfg, "accel.backend", backend), env)
     notes = [f"backend {backend} ({why})"]
     supports = accel.settle(backend_config(cfg), env).supports
     # --data_device gpu hands the backend batches decoded on the CUDA device.

@@ -179,7 +179,7 @@ class TrainData:
             cfg.data, image_size, host_batch, shard, cfg.seed, cast(int, cfg.model.num_classes),
             pin_memory=engine.pin_memory,
         )  # fmt: skip
-        per_epoch = len(cast(Sized, loader.batch_sampler)) // cfg.optim.grad_accum
+        per_epoch = len(cast(Sized, loader.batch_sampler)) // cfg.accel.step.accum
         if per_epoch < 1:
             raise AccelError("an epoch holds fewer batches than --grad_accum")
         # resolve() settles --epochs where --steps is not given
@@ -260,7 +260,7 @@ class Trainer:
 
     @property
     def global_batch(self) -> int:
-        return self.data.host_batch * self.engine.data_ranks * self.cfg.optim.grad_accum
+        return self.data.host_batch * self.engine.data_ranks * self.cfg.accel.step.accum
 
     def save(self) -> None:
         self.steps.flush()
@@ -336,7 +336,7 @@ class Trainer:
         return self._halted()
 
     def _run_epoch(self, bar: Progress, start: int) -> None:
-        accum, loader = self.cfg.optim.grad_accum, self.data.loader
+        accum, loader = self.cfg.accel.step.accum, self.data.loader
         loader.batch_sampler.set_epoch(self.state.epoch, self.state.batch_in_epoch)
         host = (host_tuple(b) for b in self.tracker.track(loader))
         for micro in timed_groups(self.engine.loader(host), accum, self.timer):
@@ -428,11 +428,11 @@ def final_summary(t: Trainer, end: float) -> dict[str, Any]:
         model=cfg.model.name,
         run_dir=str(cfg.run_dir()),
         world_size=devices,
-        amp_level=cfg.amp_level,
+        amp_level=cfg.accel.step.amp,
         global_batch_size=t.global_batch,
         steps=state.step,
         seed=cfg.seed,
-        kernel_opt=cfg.kernel_opt,
+        kernel_opt=cfg.accel.step.kernel_opt,
         losses=state.losses,
         nonfinite_steps=state.nonfinite_steps,
         images_per_sec=ips,

@@ -150,7 +150,7 @@ def test_the_api_gives_the_command_line_losses(tmp_path):
     loader = build_train_loader(cfg.data, 32, cfg.batch_size, (0, 1), cfg.seed, 10)
     schedule = LRSchedule(cfg.optim, 4, len(loader.batch_sampler))
     engine = accel.prepare(
-        model, optimizer, classifier_loss, schedule=schedule, clip_grad=cfg.optim.clip_grad
+        model, optimizer, classifier_loss, schedule=schedule, clip_grad=cfg.accel.step.clip_grad
     )
     handles = [engine.step(*host_tuple(b)) for _, b in zip(range(4), loader, strict=False)]
     assert [r.loss for r in engine.fetch(handles)] == pytest.approx(cli, rel=1e-6)

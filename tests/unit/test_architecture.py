@@ -543,3 +543,37 @@ def test_jaxs_step_is_made_of_functions_called_one_at_a_time_not_nested_closures
         if isinstance(node, ast.FunctionDef):
             inner = [n for n in ast.walk(node) if isinstance(n, ast.FunctionDef) and n is not node]
             assert len(inner) <= 1, (node.name, [n.name for n in inner])
+
+
+def test_the_command_line_holds_the_librarys_config_and_declares_none_of_its_settings_again():
+    """One configuration: RunConfig.accel is the library's BackendConfig; none of the command
+    line's own fields is one of the library's settings under its name or its flag's (amp_level,
+    grad_accum, nproc_per_node, seed, compile_cache were); the table of the two spellings
+    (LIBRARY_FLAGS) is the one place they meet, read by the parser and the messages alike; the
+    bridge to prepare needs no `type: ignore`."""
+    from accel.cli import messages
+    from accel.cli.config import LIBRARY_FLAGS, RunConfig, field_types, leaf_fields
+    from accel.config import BackendConfig
+
+    assert field_types(RunConfig)["accel"] is BackendConfig
+    library = {path.rsplit(".", 1)[-1] for path, _, _ in leaf_fields(BackendConfig)}
+    flags = {f.flag.lstrip("-").replace("-", "_") for p in LIBRARY_FLAGS for f in p.flags}
+    own = [path for path, _, _ in leaf_fields(RunConfig) if not path.startswith("accel.")]
+    twice = [p for p in own if p.rsplit(".", 1)[-1] in library | flags]
+    assert not twice, twice
+    offered = {f"accel.{f.field}" for p in LIBRARY_FLAGS for f in p.flags}
+    assert offered <= {path for path, _, _ in leaf_fields(RunConfig)}, "a flag of no field"
+    assert {f.flag for p in LIBRARY_FLAGS for f in p.flags} <= set(messages.KEYWORD_FLAGS.values())
+    assert "LIBRARY_FLAGS" in (ROOT / "accel/cli/messages.py").read_text()  # read, not copied
+    assert "type: ignore" not in (ROOT / "accel/cli/job.py").read_text()
+
+
+def test_no_two_classes_of_accel_share_a_name():
+    """One meaning per name: two CompilerConfig classes (the library's and the command line's),
+    two Trainers, two Layouts were."""
+    where: dict[str, list[str]] = {}
+    for path in (ROOT / "accel").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    assert not {name: files for name, files in where.items() if len(files) > 1}

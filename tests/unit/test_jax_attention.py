@@ -16,7 +16,7 @@ import numpy as np
 import accel
 import accel.backends.jax.attention as jax_attention
 from accel.backends.jax.attention import AttentionKernels, auto_choice, padded_attention
-from accel.cli.job import step_config
+from accel.cli.job import backend_config
 from accel.cli.options import build_parser, config_from_args
 
 
@@ -241,7 +241,7 @@ def test_prepare_defaults_to_auto_and_refuses_an_unknown_attention_in_one_line()
 
 def test_the_attention_flag_reaches_the_step_config():
     parse = lambda *argv: config_from_args(build_parser().parse_args(list(argv)))  # noqa: E731
-    assert step_config(parse()).attention == "auto"
-    assert step_config(parse("--attention", "xla")).attention == "xla"
+    assert backend_config(parse()).step.attention == "auto"
+    assert backend_config(parse("--attention", "xla")).step.attention == "xla"
     with pytest.raises(SystemExit):
         parse("--attention", "flash")

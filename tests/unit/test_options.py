@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 
@@ -12,6 +13,7 @@ import accel.cli.config
 import accel.cli.options
 from accel.cli.config import OptimConfig, RunConfig, check_ranges, option, resume_keys
 from accel.config import AccelError
+from tests.helpers import ROOT
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,5 +62,26 @@ def test_accel_compile_cache_names_one_folder_for_every_runs_compiled_programs(
     monkeypatch.setenv("ACCEL_COMPILE_CACHE", str(tmp_path / "shared"))
     assert cfg.compile_cache_dir() == tmp_path / "shared" / "jax"
     assert cache_dir("xla") == tmp_path / "shared" / "xla"  # prepare's, read alike
-    mine = replace_path(cfg, "compiler.compile_cache", str(tmp_path / "mine"))
+    mine = replace_path(cfg, "accel.compiler.cache_dir", str(tmp_path / "mine"))
     assert mine.compile_cache_dir() == tmp_path / "mine"  # --compile_cache wins
+
+
+def test_the_help_is_as_it_always_was_byte_for_byte(monkeypatch):
+    """The library's settings are the command line's flags through one table (LIBRARY_FLAGS):
+    their flags, help, defaults and places in --help are the ones the seed's users know,
+    whatever the library's fields are called. The file is the help before that table was."""
+    monkeypatch.setenv("COLUMNS", "80")
+    expected = (ROOT / "tests/data/launch_single_task_help.txt").read_text()
+    assert accel.cli.options.build_parser().format_help() == expected
+
+
+def test_a_library_setting_is_its_flag_in_the_command_line_and_its_field_in_the_config():
+    cfg = parse(
+        "--grad_accum", "2", "--nproc_per_node", "4", "--compile_cache", "/c", "--seed", "3"
+    )
+    assert (cfg.accel.step.accum, cfg.accel.mesh.devices, cfg.accel.step.seed) == (2, 4, 3)
+    assert cfg.accel.compiler.cache_dir == "/c" and cfg.compile_cache_dir() == Path("/c")
+    assert parse().accel.step.clip_grad == 1.0  # the command line's default, not prepare's 0
+    assert json.loads(cfg.to_json())["accel"]["step"]["accum"] == 2
+    with pytest.raises(AccelError, match=r"^--grad_accum must be >= 1, got 0$"):
+        check_ranges(parse("--grad_accum", "0"))

@@ -1,5 +1,5 @@
 """The jax backend's compiled programs: the training step under jax.jit (its weights and
-optimizer state donated, laid out as the state's Layout says), the evaluation and forward
+optimizer state donated, laid out as the state's ArrayLayout says), the evaluation and forward
 programs, and the accounting of what JAX compiled and how long it took."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """How the jax backend lays out what it trains: the weights, optimizer state, EMA and constants
-as arrays on the mesh (Layout: which array splits over which mesh axis), kept by the torch
+as arrays on the mesh (ArrayLayout: which array splits over which mesh axis), kept by the torch
 model's parameter names for checkpoints, with the step count the random keys follow from."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def device_bytes(tree: Any) -> int:
     return sum(leaf.addressable_shards[0].data.nbytes for leaf in jax.tree.leaves(tree))
 
 
-class Layout:
+class ArrayLayout:
     """Where each array lives on the mesh: the weights (`params`), their gradients (`grads`),
     the optimizer state (`opt`), the weights while the step computes (`weights`; None: as
     stored) and the EMA (`ema`). With shard='full' the weights split over the data axis; with
@@ -138,7 +138,7 @@ class TrainState:
         }
         self.param_names = [n for n, _ in model.named_parameters() if n in trained]
         state_shapes = jax.eval_shape(optimizer.init, params)
-        self.layout = Layout(runtime, model, params, cfg, state_shapes)
+        self.layout = ArrayLayout(runtime, model, params, cfg, state_shapes)
         self.params = jax.device_put(params, self.layout.params)
         self.buffers = jax.device_put(consts, self.replicated)
         self.count = jax.device_put(jnp.zeros((), jnp.int32), self.replicated)
