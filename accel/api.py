@@ -253,8 +253,8 @@ def attach_to_user_objects(
     wrap, no public API): set on this optimizer alone, rather than a process-wide filter."""
     optimizer._opt_called = True  # type: ignore[attr-defined]
     if not engine.runner.trains_in_place and not any(p.is_meta for p in model.parameters()):
-        undo.add(TrainedOnRead(engine, model).remove)  # jax: the model reads as the trained one
-    undo.add(TrainedOptimizer(engine, optimizer, names).remove)  # its optimizer, on every backend
+        undo.add(TrainedOnRead(engine.weights, model).remove)  # jax: reads as the trained one
+    undo.add(TrainedOptimizer(engine.weights, optimizer, names).remove)  # on every backend
 
 
 class Undo:

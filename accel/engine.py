@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -33,31 +32,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import BackendStats, BackendUnavailable, MetricFn, Runner, StepResult
+from accel.backends.base import BackendStats, MetricFn, Runner, StepResult
 from accel.batches import BatchTrees
-from accel.checkpoint import (
-    BackendTensors,
-    CheckpointParts,
-    RandomStates,
-    load_checkpoint,
-    read_meta,
-    save_checkpoint,
-)
+from accel.checkpointing import Checkpointing
 from accel.config import AccelError, EmaDecayFn
 from accel.distributed import DistContext
-from accel.loop import (
-    CompileWatch,
-    LoopPart,
-    SkipWatch,
-    StepCount,
-    check_sharded,
-    check_workers,
-    user_errors,
-)
-from accel.optim import LearningRates
-from accel.parallel.fsdp import full_value
+from accel.loop import LoopPart, StepCount, check_sharded, check_workers, user_errors
 from accel.processes import ProcessCalls
 from accel.script_changes import ScriptChanges
+from accel.stepping import Stepping
+from accel.trained import TrainedWeights
 from accel.user_model import EvalModel
 
 
@@ -99,15 +83,20 @@ class Engine(ProcessCalls):
         `on_close`: undoes prepare's changes to the process; `trees`: the batches' structures;
         `script`: what the script changes between steps (frozen weights, added groups)."""
         self.runner, self._ctx, self.rates, self.on_close = runner, ctx, rates, on_close
-        self.accum, self.ema, self.trees = accum, ema, trees or BatchTrees()
+        self.trees = trees or BatchTrees()
         self.state = StepCount() if state is None else state
-        self.lr: float | list[float] = 0.0  # the rate(s) the last step took
-        self.model_given, self.script = model_given, script
-        self.compiles = CompileWatch(runner, max_recompiles)
-        self.skips = SkipWatch()
-        self.changes = 0  # steps and loads so far: what changed the trained weights
-        self.synced = 0  # the changes the given model holds (sync_model)
-        self.reading = False  # the engine reads the given model: its read hooks stand by
+        # Its parts, each a collaborator of its own: what was trained, the steps, the
+        # checkpoints (a step or a load tells the trained weights they changed).
+        self.weights = TrainedWeights(runner, model_given)
+        self.steps = Stepping(
+            runner, self.trees, rates, self.state, accum=accum, ema=ema,
+            max_recompiles=max_recompiles, on_change=self.weights.changed, script=script,
+            is_main=ctx.is_main,
+        )  # fmt: skip
+        self.checkpoints = Checkpointing(
+            runner, self.state, rates, replicas=self.replicas, is_main=ctx.is_main,
+            on_change=self.weights.changed,
+        )  # fmt: skip
 
     def close(self) -> None:
         """Puts back what `prepare` changed in the process (DataLoader workers' start method,
@@ -128,6 +117,11 @@ class Engine(ProcessCalls):
     def steps_done(self) -> int:
         """Optimizer steps taken (skipped non-finite ones included)."""
         return self.state.step
+
+    @property
+    def lr(self) -> float | list[float]:
+        """The learning rate(s) the last step took (each param group's, where they differ)."""
+        return self.steps.lr
 
     @property
     def backend(self) -> str:
@@ -192,59 +186,26 @@ class Engine(ProcessCalls):
         """One whole optimizer step on `batch` (what `loss_fn` takes as its batch); returns a
         handle that stays on the device until `fetch`. The batch is split into the `accum`
         micro-batches here; `step_micro_batches` takes them already split."""
-        batch = self.trees.step_batch(batch)
-        try:
-            return self.step_leaves(self.micro_batches(batch))
-        except BackendUnavailable as err:  # an op the backend cannot lower: one line
-            raise AccelError(str(err)) from None
+        return self.steps.step(batch)
 
     def step_micro_batches(self, micro_batches: list[Any]) -> Any:
         """One optimizer step over `accum` device batches from `loader` (split for gradient
         accumulation), each as the loader gave it (a tuple, a dict...); a handle, as `step`.
         A group of k < `accum` weighs k/accum of a whole one, as the plain loop's. An op the
         backend cannot lower: BackendUnavailable (the command line's loop reads it)."""
-        if not micro_batches:
-            raise AccelError("engine.step_micro_batches() got no micro-batch")
-        return self.step_leaves([self.trees.step_batch((batch,)) for batch in micro_batches])
-
-    def step_leaves(self, micro_batches: list[tuple]) -> Any:
-        """The step over micro-batches given as their tensors."""
-        if self.script:  # weights frozen or groups added since the last step: followed, or one line
-            self.script.before_step(self.runner)
-        done = self.state.step
-        self.lr = self.rates(done)
-        decay = self.ema(done + 1) if callable(self.ema) else self.ema
-        started = time.perf_counter()
-        with user_errors("step"):
-            handle = self.runner.train_step(micro_batches, self.lr, decay)
-        self.state.step = done + 1
-        self.changes += 1
-        self.compiles.stepped(micro_batches, time.perf_counter() - started, self.is_main)
-        return handle
+        return self.steps.step_micro_batches(micro_batches)
 
     def lowered_step(self, *batch: Any, platforms: Sequence[str] = ()) -> Any:
         """The whole training step for a batch of these shapes, lowered and run nowhere, where
         one program compiles it: jax's `jax.stages.Lowered` (`.as_text()`, `.compile()`); for
         other `platforms` ('cuda' on a CPU), a `jax.export.Exported`. Others refuse in a line."""
-        batch, rates = self.trees.step_batch(batch), self.rates(self.state.step)
-        try:
-            return self.runner.lowered_step(self.micro_batches(batch), rates, tuple(platforms))
-        except BackendUnavailable as err:
-            raise AccelError(str(err)) from None
-
-    def micro_batches(self, batch: tuple) -> list[tuple]:
-        size = batch[0].shape[0]
-        if size % self.accum:
-            raise AccelError(f"a batch of {size} does not split into accum={self.accum} parts")
-        return self.runner.split(batch, self.accum)
+        return self.steps.lowered_step(batch, platforms)
 
     def fetch(self, handles: Sequence[Any]) -> list[StepResult]:
         """The steps' (loss, applied) on the host: one sync for the whole group. `loss` is the
         mean over replicas; `applied` is False where a non-finite loss or gradient skipped the
         update."""
-        results = self.runner.fetch_results(list(handles))
-        self.skips.watch(results, self.is_main)
-        return results
+        return self.steps.fetch(handles)
 
     def evaluate(
         self, batches: Iterable[Any], metric_fn: MetricFn, ema: bool = False
@@ -272,21 +233,7 @@ class Engine(ProcessCalls):
         backend. Call it on every rank: split weights (shard="full") are gathered tensor by
         tensor. A pipeline keeps stages on different ranks: `save` a checkpoint instead, which
         holds the whole state and loads whole into one process."""
-        state = self.runner.checkpoint_state()
-        if ema and "ema" not in state:
-            raise AccelError("no EMA weights kept: prepare(..., ema=DECAY)")
-        tensors = {**state["model"], **(state["ema"] if ema else {})}
-        dtypes = self.dtypes()
-        out = {}
-        for name, value in tensors.items():
-            whole = full_value(value).detach()
-            out[name] = whole.to("cpu", dtype=dtypes.get(name, whole.dtype), copy=True)
-        if missing := set(dtypes) - set(out):
-            raise AccelError(
-                f"this layout keeps {len(missing)} of the model's tensors on other ranks (a "
-                "pipeline): engine.save(path) writes all, engine.load in one process reads all"
-            )
-        return out
+        return self.weights.state_dict(ema)
 
     def live_state(self) -> dict[str, Any]:
         """The training state as the backend holds it now, nothing copied or gathered:
@@ -294,30 +241,13 @@ class Engine(ProcessCalls):
         kept}, in the backend's own tensors (DTensors on eager and compile, XLA tensors on xla,
         jax arrays with their shardings on jax). To see how a layout placed and split each
         tensor; `state_dict()` gives host copies."""
-        return self.runner.live_state()
-
-    def dtypes(self) -> dict[str, torch.dtype]:
-        model = self.model_given
-        if model is None:
-            return {}
-        reading, self.reading = self.reading, True
-        try:
-            return {n: t.dtype for n, t in model.state_dict(keep_vars=True).items()}
-        finally:
-            self.reading = reading
+        return self.weights.live_state()
 
     def sync_model(self) -> nn.Module:
         """Your model, holding the trained weights; returns it. On eager, compile and xla it is
         the module trained, so this changes nothing; jax copies its arrays in here, and whenever
         the script reads that model (state_dict(), forward: TrainedOnRead). On every rank."""
-        model = self.model_given
-        if model is None:
-            raise AccelError("this engine was given no model to sync")
-        if not self.runner.trains_in_place:
-            changes = self.changes
-            model.load_state_dict(self.state_dict())
-            self.synced = changes
-        return model
+        return self.weights.sync_model()
 
     def any_rank(self, flag: bool) -> bool:
         """Whether `flag` is set on any rank, the same answer on every rank (a collective)."""
@@ -335,11 +265,11 @@ class Engine(ProcessCalls):
 
     def mark_warmup_done(self) -> None:
         """Count compiles from here on (recompiles; past `max_recompiles` a step raises)."""
-        self.compiles.mark_warmup_done()
+        self.steps.compiles.mark_warmup_done()
 
     def compiles_after_warmup(self) -> int:
         """Graphs of the step compiled since `mark_warmup_done` (0 before it)."""
-        return self.compiles.after_warmup()
+        return self.steps.compiles.after_warmup()
 
     def stats(self) -> BackendStats:
         """What the backend tells of the run so far: graphs compiled (after warm-up too), compile
@@ -347,11 +277,6 @@ class Engine(ProcessCalls):
         return replace(self.runner.stats(), compiles_after_warmup=self.compiles_after_warmup())
 
     # --- checkpoints: the command line's format, tensors only ------------------------------------
-    def checkpoint_parts(self) -> CheckpointParts:
-        """What save and load write and read: the backend's tensors, the loop state (the step
-        count) and the random states."""
-        return CheckpointParts(BackendTensors(self.runner), self.state, RandomStates(self.runner))
-
     def save(
         self,
         path: str | Path,
@@ -365,17 +290,7 @@ class Engine(ProcessCalls):
         `extra`: your script's small state (epoch, best accuracy, a scheduler's state_dict():
         numbers, strings, lists, dicts, tensors), which `load` returns. `meta`: values kept
         beside them (accel.checkpoint.read_meta)."""
-        path = Path(path)
-        meta = {**(meta or {}), "world_size": self.replicas}
-        rates = self.rates.saved() if isinstance(self.rates, LearningRates) else None
-        if rates is not None:  # the user's optimizer's, which `load` puts back
-            meta["optimizer_lr"] = rates
-        if extra is not None:
-            meta["extra"] = extra
-        sharded = self.sharded_checkpoint
-        save_checkpoint(path, self.checkpoint_parts(), meta, self.is_main, self.rank, sharded)
-        self.runner.any_rank(False)  # every rank waits for the writer: a load may follow at once
-        return path
+        return self.checkpoints.save(Path(path), extra, meta)
 
     def load(self, path: str | Path, rng: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of `save` or the command line (any backend and layout), unpickling
@@ -383,15 +298,7 @@ class Engine(ProcessCalls):
         generators too (default: where the saved run had as many replicas). The optimizer given
         to `prepare` takes back its groups' saved rates (a scheduler restored from `extra` goes
         on from them); a scheduler given as `schedule` is stepped to the saved step."""
-        path = Path(path)
-        meta = read_meta(path)
-        if rng is None:
-            rng = meta.get("world_size") == self.replicas
-        load_checkpoint(path, self.checkpoint_parts(), meta, self.rank, rng=rng)
-        self.changes += 1
-        if isinstance(self.rates, LearningRates):
-            self.rates.restore(meta.get("optimizer_lr"), self.state.step)
-        return dict(meta.get("extra", {}))
+        return self.checkpoints.load(Path(path), rng)
 
 
 __all__ = ["AccelError", "Engine", "StepResult"]

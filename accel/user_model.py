@@ -7,34 +7,25 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 from torch import nn
 
 from accel.batches import ModelCall
 from accel.loop import user_errors
-
-
-class Trained(Protocol):
-    """What TrainedOnRead reads the trained weights from (the Engine)."""
-
-    reading: bool  # the engine reads the given model itself: the hooks stand by
-    synced: int  # the changes the given model holds
-    changes: int  # steps and loads so far
-
-    def sync_model(self) -> nn.Module: ...
+from accel.trained import TrainedWeights
 
 
 class TrainedOnRead:
     """Where the backend trains arrays of its own (jax), the model a script gave `prepare` reads
     as the trained one: its state_dict() and its forward first copy the trained weights in
     (Engine.sync_model), once after each step or load. Torch's public module hooks, on the
-    model itself (not its submodules); the engine is held weakly, so the model does not keep it
-    alive."""
+    model itself (not its submodules); the engine's trained weights are held weakly, so the
+    model does not keep them alive."""
 
-    def __init__(self, engine: Trained, model: nn.Module):
-        self.engine = weakref.ref(engine)
+    def __init__(self, weights: TrainedWeights, model: nn.Module):
+        self.weights = weakref.ref(weights)
         self.hooks = [
             model.register_state_dict_pre_hook(self.before_state_dict),
             model.register_forward_pre_hook(self.before_forward, with_kwargs=True),
@@ -60,9 +51,9 @@ class TrainedOnRead:
             self.sync()
 
     def sync(self) -> None:
-        engine = self.engine()
-        if engine is not None and not engine.reading and engine.synced != engine.changes:
-            engine.sync_model()
+        weights = self.weights()
+        if weights is not None and not weights.reading and weights.synced != weights.changes:
+            weights.sync_model()
 
 
 class EvalModel:

@@ -21,31 +21,25 @@ goes into the engine. torch.optim.Optimizer's public state-dict hooks do both.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from accel.config import AccelError
 from accel.parallel.fsdp import full_value
+from accel.trained import TrainedWeights
 
 Named = dict[str, dict[str, torch.Tensor]]  # optimizer state by parameter name
 
 
-class EngineView(Protocol):
-    """What TrainedOptimizer reads and loads the state through (the Engine)."""
-
-    runner: Any  # the backend: checkpoint_state(), load_checkpoint_state()
-    changes: int  # steps and loads so far
-
-
 class TrainedOptimizer:
-    """The hooks on the user's optimizer; the engine is held weakly, as the model's are."""
+    """The hooks on the user's optimizer; the engine's trained weights (and its runner's state
+    through them) are held weakly, as the model's are."""
 
-    def __init__(self, engine: EngineView, optimizer: torch.optim.Optimizer, names: list[str]):
+    def __init__(self, weights: TrainedWeights, optimizer: torch.optim.Optimizer, names: list[str]):
         """`names`: parameter_names(optimizer, model), taken before the backend adopted the
         model (xla moves its parameters to the device as new ones)."""
-        self.engine, self.names, self.optimizer = weakref.ref(engine), names, optimizer
+        self.weights, self.names, self.optimizer = weakref.ref(weights), names, optimizer
         if optimizer.state:  # loaded before prepare (a resume): it goes into the engine now
             self.after_load(optimizer)
         self.hooks = [
@@ -64,10 +58,10 @@ class TrainedOptimizer:
         self.optimizer.load_state_dict(trained)
 
     def after_state_dict(self, optimizer: torch.optim.Optimizer, saved: dict) -> dict:
-        engine = self.engine()
-        if engine is None:
+        weights = self.weights()
+        if weights is None:
             return saved
-        trained = engine.runner.checkpoint_state()["optim"]
+        trained = weights.runner.checkpoint_state()["optim"]
         saved["state"] = {
             i: {k: host_copy(v) for k, v in trained[name].items()}
             for i, name in enumerate(self.names)
@@ -76,14 +70,14 @@ class TrainedOptimizer:
         return saved
 
     def after_load(self, optimizer: torch.optim.Optimizer) -> None:
-        engine = self.engine()
-        if engine is None:
+        weights = self.weights()
+        if weights is None:
             return
         loaded: Named = {}
         for index, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
             if optimizer.state.get(p):
                 loaded[self.names[index]] = dict(optimizer.state[p])
-        state = engine.runner.checkpoint_state()
+        state = weights.runner.checkpoint_state()
         for name, moments in loaded.items():
             mine = state["optim"].get(name, {})
             missing = set(mine) - set(moments)
@@ -93,8 +87,8 @@ class TrainedOptimizer:
                     "it was saved from another kind of optimizer"
                 )
             state["optim"][name] = {k: as_host(moments[k], v.dtype) for k, v in mine.items()}
-        engine.runner.load_checkpoint_state(state)
-        engine.changes += 1
+        weights.runner.load_checkpoint_state(state)
+        weights.changed()
         optimizer.state.clear()  # the engine holds it: state_dict() reads it back from there
 
 

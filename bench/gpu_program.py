@@ -184,7 +184,7 @@ def exported_step(engine: Any, batch: tuple) -> Any:
     if "platforms" in inspect.signature(engine.lowered_step).parameters:
         return engine.lowered_step(*batch, platforms=("cuda",))
     runner, step = engine.runner, engine.runner.step
-    stacked = runner.stacked(engine.micro_batches(tuple(batch)))
+    stacked = runner.stacked(engine.steps.micro_batches(tuple(batch)))
     # cuDNN's attention calls, forward and backward, with and without a bias and dropout (the
     # library of then named none: jax.export refuses them unless told)
     calls = [f"__cudnn$fmha{b}Softmax{d}" for b in ("", "ScaleBias") for d in ("", "Dropout")]

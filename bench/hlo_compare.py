@@ -353,7 +353,7 @@ def accel_modules(batch: int) -> dict[str, Any]:
     # The jitted step and its arguments, as Engine.lowered_step builds them.
     runner = engine.runner
     step = runner.step
-    args = step.arguments(runner.stacked(engine.micro_batches((images, targets))), 1e-3, 0.0)
+    args = step.arguments(runner.stacked(engine.steps.micro_batches((images, targets))), 1e-3, 0.0)
     specs = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), args
     )

@@ -500,7 +500,7 @@ def engine_tensors(engine) -> dict:
     """What an Engine would save now (its checkpoint's tensors), whole, by flattened name."""
     from accel.checkpoint import to_cpu
 
-    return flat_tensors(to_cpu(engine.checkpoint_parts().tensors.state_dict()))
+    return flat_tensors(to_cpu(engine.checkpoints.parts().tensors.state_dict()))
 
 
 def rank_process(launcher: psutil.Process, rank: str) -> psutil.Process | None:

@@ -97,7 +97,7 @@ def layouts(engine: accel.Engine) -> dict:
     import torch_xla.core.xla_model as xm
 
     xm.wait_device_ops()  # shards are read once the device holds them
-    state = engine.checkpoint_parts().tensors.state_dict()  # the live tensors
+    state = engine.checkpoints.parts().tensors.state_dict()  # the live tensors
     out = {}
     for name, weight in state["model"].items():
         moments = state["optim"].get(name, {})

@@ -577,3 +577,21 @@ def test_no_two_classes_of_accel_share_a_name():
             if isinstance(node, ast.ClassDef):
                 where.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
     assert not {name: files for name, files in where.items() if len(files) > 1}
+
+
+def test_the_engine_holds_its_parts_as_collaborators():
+    """The Engine is the public calls over the parts it holds, each a class of its own: its
+    steps (Stepping), what it trained (TrainedWeights), its checkpoints (Checkpointing). Its
+    methods hand over to them: none but its constructor holds more than 6 statements (the step,
+    the state dict and save held 10 to 12)."""
+    tree = ast.parse((ROOT / "accel/engine.py").read_text())
+    (engine,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Engine"]
+    methods = [n for n in engine.body if isinstance(n, ast.FunctionDef)]
+    (init,) = [m for m in methods if m.name == "__init__"]
+    made = {getattr(n.func, "id", "") for n in ast.walk(init) if isinstance(n, ast.Call)}
+    assert {"Stepping", "TrainedWeights", "Checkpointing"} <= made
+    for method in methods:
+        if method is not init:
+            statements = [n for n in ast.walk(method) if isinstance(n, ast.stmt)][1:]
+            statements = [s for s in statements if not isinstance(s, ast.Expr)]  # docstrings
+            assert len(statements) <= 6, (method.name, len(statements))
