@@ -12,7 +12,8 @@ from collections.abc import Callable, Mapping
 import torch
 from torch import nn
 
-from accel.backends.base import BackendUnavailable, LossFn, ModelInit, Runner
+from accel.backends.base import BackendUnavailable, LossFn, ModelInit
+from accel.backends.runner import Runner
 from accel.batches import BatchTrees
 from accel.checks import check_model, check_same_on_every_rank
 from accel.config import (

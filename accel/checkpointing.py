@@ -9,7 +9,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from accel.backends.base import Runner
+from accel.backends.runner import Runner
 from accel.checkpoint import (
     BackendTensors,
     CheckpointParts,

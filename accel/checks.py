@@ -12,7 +12,9 @@ from accel.checkpoint import flatten
 from accel.config import AccelError, BackendConfig
 from accel.distributed import first_difference
 from accel.optim import OptimizerSpec
+from accel.parallel.pipeline import check_stages
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
+from accel.parallel.tp_head import linear_classifier
 from accel.settings import Settled
 from accel.ties import tied_names
 
@@ -21,8 +23,8 @@ def check_model(
     model: nn.Module, optimizer: torch.optim.Optimizer, settled: Settled
 ) -> OptimizerSpec:
     """The model and its optimizer against the settled config (trainable parameters, float32,
-    backward hooks the step would run, tied weights a layout would part, the tensor-parallel
-    plan, the optimizer's flags); the optimizer described, as the backends rebuild it.
+    backward hooks the step would run, what the layout cuts, tied weights a layout would part,
+    the optimizer's flags); the optimizer described, as the backends rebuild it.
 
     >>> import torch, accel
     >>> model = torch.nn.Linear(2, 2).requires_grad_(False)
@@ -41,15 +43,30 @@ def check_model(
         )
     check_float32(model)
     check_hooks(model, settled.supports.gradient_hooks, settled.backend)
-    splits: dict[str, int] = {}
-    if config.mesh.tp > 1:  # what splits, refused in one line before anything is built
-        splits = weight_splits(model, resolve_plan(model, config.mesh.tp_plan, config.mesh.tp))
-    check_ties(model, config, splits)
+    check_ties(model, config, check_layout(model, config))
     spec = OptimizerSpec.of(optimizer, model)
     refused = spec.refusals()
     if refused:
         raise AccelError(f"accel cannot run {spec.kind} with {', '.join(refused)}")
     return spec
+
+
+def check_layout(model: nn.Module, config: BackendConfig) -> dict[str, int]:
+    """What the layout cuts, given by the model, refused in one line before anything is built:
+    the tensor-parallel plan over its layers (tp=), the parts a pipeline cuts and a block for
+    each of its stages (pp=), a linear classifier to split (tp_head=). Returns the weights tp=
+    splits (name -> axis)."""
+    mesh = config.mesh
+    try:
+        if mesh.pp > 1:
+            check_stages(model, mesh.pp, mesh.pp_schedule)
+        if mesh.tp_head > 1:
+            linear_classifier(model)
+    except ValueError as err:  # accel/parallel's own error, naming what the model must give
+        raise AccelError(str(err)) from None
+    if mesh.tp < 2:
+        return {}
+    return weight_splits(model, resolve_plan(model, mesh.tp_plan, mesh.tp))
 
 
 def check_same_on_every_rank(cfg: BackendConfig) -> None:

@@ -32,7 +32,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import BackendStats, MetricFn, Runner, StepResult
+from accel.backends.base import BackendStats, MetricFn, StepResult
+from accel.backends.runner import Runner
 from accel.batches import BatchTrees
 from accel.checkpointing import Checkpointing
 from accel.config import AccelError, EmaDecayFn

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from accel.backends.base import Runner
+from accel.backends.runner import Runner
 from accel.batches import map_leaves
 from accel.config import AccelError
 from accel.distributed import process_index

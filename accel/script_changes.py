@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from accel.backends.base import Runner
+from accel.backends.runner import Runner
 from accel.config import AccelError
 
 

@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import Any, cast
 
 from accel.backends import backend_module, refusals, resolve_backend
-from accel.backends.base import BackendModule, Supports
+from accel.backends.base import Supports
+from accel.backends.runner import BackendModule
 from accel.config import (
     AMP_LEVELS,
     ATTENTION_CHOICES,

@@ -9,7 +9,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from accel.backends.base import BackendUnavailable, Runner, StepResult
+from accel.backends.base import BackendUnavailable, StepResult
+from accel.backends.runner import Runner
 from accel.batches import BatchTrees
 from accel.config import AccelError, EmaDecayFn
 from accel.loop import CompileWatch, LoopPart, SkipWatch, user_errors

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import Runner
+from accel.backends.runner import Runner
 from accel.config import AccelError
 from accel.parallel.fsdp import full_value
 

@@ -10,7 +10,8 @@ from typing import cast
 
 import torch
 
-from accel.backends.base import BackendModule, BackendUnavailable, Runner, Supports
+from accel.backends.base import BackendUnavailable, Supports
+from accel.backends.runner import BackendModule, Runner
 from accel.config import BACKENDS, AccelError, BackendConfig, BackendName
 from accel.distributed import processes_joining
 

@@ -10,6 +10,7 @@ layers), so a part cannot be initialised alone to the same values.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from typing import cast
 
@@ -144,3 +145,36 @@ def builder(init: Callable[[], nn.Module] | None) -> Callable[[], nn.Module]:
 def whole(model: nn.Module, init: Callable[[], nn.Module] | None) -> nn.Module:
     """`model` itself, or where it is on the meta device the whole model `init` builds."""
     return builder(init)() if is_meta(model) else model
+
+
+def materialize(
+    model: nn.Module,
+    init: Callable[[], nn.Module] | None,
+    split: Callable[[nn.Module], list[nn.Module]],
+    view: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> list[nn.Module]:
+    """The modules this rank keeps of `model`: `split` (the parallelisms, in order) applied to
+    its meta twin (a model given whole is copied to the meta device), this rank's part
+    allocated on `device` in `dtype` and filled from rank 0's whole build (`init`'s, or the
+    model given). `view`: this rank's tensors by the whole model's names and regions."""
+    if is_meta(model):
+        build = builder(init)
+    else:
+        given = model
+        build = lambda: given  # noqa: E731
+        model = copy.deepcopy(model).to("meta")
+    model = model.to(dtype)
+    reference = copy.deepcopy(model)  # the whole model's names and shapes
+    modules = split(model)
+
+    def parts() -> dict[str, torch.Tensor]:
+        return view({n: t for m in modules for n, t in named_tensors(m)})
+
+    # Rank 0's values first, then this rank's storage: rank 0 never holds a whole model and
+    # its own part at once.
+    pieces = pieces_from_rank0(parts(), reference, build, device)
+    allocate(modules, device)
+    place(parts(), pieces)
+    return modules

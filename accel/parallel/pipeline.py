@@ -38,6 +38,17 @@ def stages_per_rank(schedule: str) -> int:
     return 2 if schedule == "interleaved" else 1
 
 
+def check_stages(model: nn.Module, pp: int, schedule: str) -> None:
+    """The model gives what a pipeline of `pp` ranks cuts, a block for each of its stages;
+    ValueError naming what is missing."""
+    vit: Any = pipeline_parts(model)[1]
+    stages = pp * stages_per_rank(schedule)
+    if stages > len(vit.blocks):
+        raise ValueError(
+            f"pp={pp} ({schedule}) needs {stages} stages, the model has {len(vit.blocks)} blocks"
+        )
+
+
 def stage_blocks(depth: int, stages: int) -> list[range]:
     """Contiguous block ranges, as even as possible (earlier stages take the remainder)."""
     if stages > depth:

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import accel
-from accel.backends.base import Runner
+from accel.backends.runner import Runner
 from accel.cli.checkpoints import latest_checkpoint
 from accel.cli.data.loaders import build_train_loader
 from accel.cli.job import LRSchedule, param_groups, parameter_settings
@@ -337,8 +337,8 @@ def test_the_recompile_limit_stops_every_compiling_backend_alike_in_one_line(bac
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_every_backend_method_takes_the_contracts_parameters_and_defaults(backend, tmp_path):
-    """Every method of the contract (base.Runner), whichever part of a backend does it, takes
-    what the contract promises, defaults included."""
+    """Every method of the contract (backends/runner.py's Runner), whichever part of a backend
+    does it, takes what the contract promises, defaults included."""
     built = job_backend(micro_config(tmp_path, backend=backend))
     for name, contract in vars(Runner).items():
         if name.startswith("_") or not inspect.isfunction(contract):

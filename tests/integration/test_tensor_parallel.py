@@ -12,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from accel.backends.torch_family.core import local_bytes
+from accel.backends.torch_family.named_state import local_bytes
 from accel.config import MeshConfig
 from accel.distributed import destroy_process_group
 from accel.parallel import tp_head

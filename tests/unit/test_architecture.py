@@ -307,6 +307,9 @@ def test_one_torch_layout_over_the_mesh_not_a_class_per_parallelism():
 # --- the backend seam: small parts, a library that knows no task, tests on the public API ------
 BACKEND_CLASS_LINES = 200
 BACKEND_FILE_LINES = 400
+# The room every file and class keeps under those ceilings, so that the next change lands without
+# trimming comments or joining lines: each is shaped (split by what it does) before it nears one.
+ROOM = 0.85
 # The command line's task and its run folder's policy: its model, its loss and metrics, its
 # summary's names, its checkpoints' names and pruning (accel/cli/task.py, accel/cli/checkpoints.py).
 TASK_NAMES = (
@@ -319,13 +322,15 @@ def test_no_backend_class_over_200_lines_and_no_backend_file_or_engine_over_400(
     files = [*(ROOT / "accel" / "backends").rglob("*.py"), ROOT / "accel" / "engine.py"]
     for path in files:
         lines = len(path.read_text().splitlines())
-        assert lines <= BACKEND_FILE_LINES, (str(path.relative_to(ROOT)), lines)
+        assert lines <= BACKEND_FILE_LINES * ROOM, (str(path.relative_to(ROOT)), lines)
         if path.name == "engine.py":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ClassDef):
                 size = node.end_lineno - node.lineno + 1
-                assert size <= BACKEND_CLASS_LINES, (str(path.relative_to(ROOT)), node.name, size)
+                assert size <= BACKEND_CLASS_LINES * ROOM, (
+                    str(path.relative_to(ROOT)), node.name, size
+                )  # fmt: skip
 
 
 def test_the_library_knows_no_task_and_no_command_line_flag():

@@ -309,8 +309,8 @@ def test_gelu_and_xla_attention_keep_for_the_backward_what_it_needs():
     """GELU: its input alone (jax.nn.gelu keeps three values its input's size); attention: the
     T x S probabilities once, in the inputs' dtype (jax.nn.dot_product_attention's autodiff
     keeps them in float32 and in bf16)."""
-    from accel.backends.jax.attention import recomputed_attention
     from accel.backends.jax.ops import jax_gelu
+    from accel.backends.jax.recomputed_attention import recomputed_attention
 
     x = jnp.ones((8, 16), jnp.bfloat16)
     assert saved_for_the_backward(lambda x: jax_gelu(x, False).sum(), x) == ["bf16[8,16]"]

@@ -55,6 +55,28 @@ def test_a_model_without_the_hooks_is_refused_naming_what_it_must_give():
         tp_head.linear_classifier(plain)
 
 
+@pytest.mark.parametrize(
+    ("model", "mesh", "says"),
+    [
+        ("plain", {"pp": 2}, r"^pp= cuts a model that gives pipeline_parts\(\)"),
+        ("vit", {"pp": 4}, r"^pp=4 \(1f1b\) needs 4 stages, the model has 2 blocks$"),
+        ("vit", {"pp": 2, "pp_schedule": "interleaved"}, "needs 4 stages"),
+        ("plain", {"tp_head": 2}, r"^tp_head= splits the linear classifier"),
+        ("vit", {"tp": 3}, "not divisible by 3"),
+    ],
+)
+def test_what_a_layout_cuts_is_checked_once_before_anything_is_built(model, mesh, says):
+    """prepare's one check of the model (accel/checks.py) refuses, in one line, what a layout
+    would find missing only while cutting the model: the backends check none of it."""
+    from accel.checks import check_layout
+    from accel.config import AccelError, BackendConfig, MeshConfig
+
+    given = meta_vit() if model == "vit" else nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(AccelError, match=says):
+        check_layout(given, BackendConfig("eager", mesh=MeshConfig(**mesh)))
+    assert check_layout(meta_vit(), BackendConfig("eager", mesh=MeshConfig(pp=2, tp_head=2))) == {}
+
+
 def test_the_command_line_loss_and_metric_declare_what_they_compute():
     assert isinstance(classifier_loss, SoftTargetLoss)
     assert isinstance(classifier_metrics, ClassificationSums)

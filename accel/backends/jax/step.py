@@ -4,6 +4,7 @@ non-finite step skipped."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -157,12 +158,6 @@ class StepParts:
         grads = constrain(jax.tree.map(lambda g: g / divisor, grads_sum))
         return jnp.mean(jnp.stack(losses)), jnp.stack(extras_all).mean(axis=0), grads, consts
 
-    def constrain(self, grads):
-        """The accumulated gradients kept split as the weights are, not gathered whole."""
-        if self.grad_shardings is None:
-            return grads
-        return jax.lax.with_sharding_constraint(grads, self.grad_shardings)
-
     def local_grads(self, params, consts, batch, count):
         """One device's part, inside replica_grads' shard_map, then the explicit all-reduce:
         every device ends with the mean gradient of the global batch, and the mean of the
@@ -201,7 +196,8 @@ class StepParts:
             # device.
             params = jax.lax.with_sharding_constraint(params, self.weight_shardings)
         key = jax.random.fold_in(self.replica_keys[0], count)
-        return self.mean_grads(params, consts, batch, key, self.constrain)
+        constrain = functools.partial(kept_split, shardings=self.grad_shardings)
+        return self.mean_grads(params, consts, batch, key, constrain)
 
     def one_device_grads(self, params, consts, batch, count):
         """One device: the mean over the devices is the device's own (no collective)."""
@@ -243,6 +239,12 @@ class StepParts:
         count = count + finite.astype(jnp.int32)
         head = jnp.stack([loss, finite.astype(jnp.float32)])
         return params, opt_state, ema, count, consts, jnp.concatenate([head, extras])
+
+
+def kept_split(grads: Any, shardings: Any) -> Any:
+    """The accumulated gradients kept split as the weights are (`shardings`; None: whole), not
+    gathered whole."""
+    return grads if shardings is None else jax.lax.with_sharding_constraint(grads, shardings)
 
 
 def unchanged(grads: Any) -> Any:

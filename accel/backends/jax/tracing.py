@@ -20,6 +20,7 @@ from accel.backends.as_eager import AsEager, modes_kept, no_fast_paths, running_
 from accel.backends.base import BackendUnavailable
 from accel.backends.host_reads import HostRead, host_read_line
 from accel.backends.jax.attention import AttentionKernels
+from accel.backends.jax.block_remat import BlockRemat
 from accel.backends.jax.inplace import view_ops, write_through_ops
 from accel.backends.jax.model_ops import MODEL_LOWERINGS
 from accel.backends.jax.ops import EAGER_LOWERINGS, overridden
@@ -33,7 +34,6 @@ from accel.backends.jax.trace_rules import (
     own_backwards,
 )
 from accel.backends.jax.values import Precision, cast_floating
-from accel.parallel.remat import remat_blocks
 
 
 # --- attention: torch's SDPA onto jax.nn.dot_product_attention (cuDNN flash on GPU) ---------
@@ -147,125 +147,6 @@ class ParameterReads(TorchFunctionMode):
     @property
     def unread(self) -> set[str]:
         return set(self.names.values()) - self.read
-
-
-class Slot:
-    """Where a tensor stood in a block's arguments (split_tensors)."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def split_tensors(tree: Any) -> tuple[list[torch.Tensor], Callable[[list], Any]]:
-    """The tensors inside tuples, lists and dicts, and a function that puts others in their
-    places (a block's arguments: its tensors traced, the rest as they are)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            return Slot(len(tensors) - 1)
-        if isinstance(value, tuple | list):
-            items = [strip(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        return value
-
-    skeleton = strip(tree)
-
-    def rebuild(values: list) -> Any:
-        def fill(value: Any) -> Any:
-            if isinstance(value, Slot):
-                return values[value.index]
-            if isinstance(value, tuple | list):
-                items = [fill(v) for v in value]
-                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-            if isinstance(value, dict):
-                return {k: fill(v) for k, v in value.items()}
-            return value
-
-        return fill(skeleton)
-
-    return tensors, rebuild
-
-
-class BlockCall(torch.nn.Module):
-    """A block's own forward (not the one BlockRemat installs) as a module's, so that
-    functional_call runs it with the weights it is given."""
-
-    def __init__(self, block: torch.nn.Module, forward: Callable):
-        super().__init__()
-        self.block, self.run = block, forward
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(*args, **kwargs)
-
-
-class BlockRemat:
-    """remat= on the jax backend: while a training loss is traced, each block of the model
-    (accel.parallel.remat) runs under jax.checkpoint ("dots": its matmul outputs saved, as
-    jax's dots_with_no_batch_dims_saveable says; "full": nothing saved), its weights, tensor
-    arguments and a random key going in as arrays, its output and the buffers it wrote coming
-    out."""
-
-    def __init__(self, model: torch.nn.Module, env: Any, choice: str):
-        self.env, self.choice = env, choice
-        self.blocks = [b for _, b in remat_blocks(model)] if choice != "none" else []
-        self.reads: ParameterReads | None = None  # the traced loss's, while it is traced
-        saveable = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-        self.policy = saveable if choice == "dots" else None  # "full": nothing saved
-
-    @contextlib.contextmanager
-    def installed(self, reads: ParameterReads | None) -> Iterator[None]:
-        """The blocks' forwards recomputed within the block (restored after it)."""
-        saved = [(block, block.__dict__.get("forward")) for block in self.blocks]
-        self.reads = reads
-        for block in self.blocks:
-            block.forward = self.recomputed(block, block.forward)  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            for block, own in saved:
-                if own is None:
-                    del block.forward
-                else:
-                    block.forward = own  # type: ignore[method-assign]
-            self.reads = None
-
-    def recomputed(self, block: torch.nn.Module, forward: Callable) -> Callable:
-        interop, owner = runtime.interop, BlockCall(block, forward)
-
-        def run(*args: Any, **kwargs: Any) -> Any:
-            weights = {**dict(block.named_parameters()), **dict(block.named_buffers())}
-            if self.reads is not None:
-                self.reads.read_all(weights.values())
-            tensors, rebuild = split_tensors((args, kwargs))
-            # The block draws from the step's key as it would unrecomputed: the key goes in,
-            # and the key its draws left comes out as the step's key.
-            key = self.env.param.prng
-
-            def pure(arrays: dict, inputs: list, key_: Any) -> tuple:
-                given = interop.torch_view(arrays)
-                args_, kwargs_ = rebuild(interop.torch_view(inputs))
-                with self.env.override_property(prng=key_):
-                    named = {f"block.{n}": v for n, v in given.items()}
-                    out = torch.func.functional_call(owner, named, args_, kwargs_)
-                    key_ = self.env.param.prng
-                written = {
-                    n: interop.jax_view(v) for n, v in given.items()
-                    if interop.jax_view(v) is not arrays[n]
-                }  # fmt: skip
-                return interop.jax_view(out), written, key_
-
-            recompute = jax.checkpoint(pure, policy=self.policy)
-            out, written, key = recompute(interop.jax_view(weights), interop.jax_view(tensors), key)
-            self.env.param.prng = key
-            for name, value in written.items():  # a buffer the block wrote (running statistics)
-                weights[name].copy_(interop.torch_view(value))
-            return interop.torch_view(out)
-
-        return run
 
 
 class Tracer:

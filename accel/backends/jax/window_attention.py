@@ -9,7 +9,7 @@ backward recomputes the probabilities from q, k, the bias and that log-sum-exp i
 Compiled without a GPU for an H200 (XLA:GPU's deviceless compile, jax 0.10.2) at Swin-T's stage 1
 (batch 8192 windows, 3 heads, bf16), forward + backward: 3 kernels reading and writing 0.96 GB
 with the shared bias (2 kernels, 1.28 GB with the per-window one), against 27 kernels and 7.3 GB
-(26, 7.2 GB) for XLA's attention (attention.recomputed_attention).
+(26, 7.2 GB) for XLA's attention (recomputed_attention.py).
 
 What runs: per (group of sequences, head) one program; every sequence is one tile of
 `padded_tokens(T)` rows (T padded to a power of two, at least 16: Triton's blocks and tl.dot's

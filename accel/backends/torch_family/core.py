@@ -19,7 +19,8 @@ from torch import nn
 from accel.amp import AmpPolicy
 from accel.backends.as_eager import modes_kept
 from accel.backends.base import group_divisor, split_loss
-from accel.backends.torch_family.first_state import StateInit, init_optimizer_state
+from accel.backends.torch_family.first_state import StateInit
+from accel.backends.torch_family.named_state import local_part, state_bytes
 
 
 def capturable_rate(rate: float) -> float:
@@ -32,7 +33,6 @@ def capturable_rate(rate: float) -> float:
 
 # (optimizer, scaler, finite) -> None: step unless `finite` is false, without a host sync.
 Guard = Callable[[torch.optim.Optimizer, Any, torch.Tensor], None]
-View = Callable[[dict[str, Any]], dict[str, Any]]  # a layout's view of the named state
 GradNorm = Callable[[list[torch.Tensor]], torch.Tensor]  # the norm of these tensors' gradients
 
 
@@ -204,7 +204,7 @@ class TorchCore:
         finite = torch.isfinite(loss) & torch.isfinite(norm)
         self.guard(self.optimizer, self.scaler, finite)
         if not self.measured:
-            self.measured = self.state_bytes()
+            self.measured = state_bytes(self)
         with torch.no_grad():
             for p, m in self.master.items():
                 p.copy_(m)
@@ -238,67 +238,6 @@ class TorchCore:
             finally:
                 for p, k in zip(self.params, kept, strict=True):
                     p.copy_(k)
-
-    # --- state by name --------------------------------------------------------------------------
-    def named_state(self) -> dict[str, Any]:
-        """The live tensors: {'model': weights and persistent buffers (the fp32 masters where
-        there are any), 'optim': {name: the optimizer's state}}, and the fp16 loss scaler's
-        state. The optimizer's state is made first where no step has made it yet (a checkpoint
-        loads into it)."""
-        init_optimizer_state(self.optimizer, self.extra_state)
-        model, optim = {}, {}
-        for module in self.modules:
-            params = {n: p for n, p in module.named_parameters()}
-            for name, value in module.state_dict(keep_vars=True).items():
-                param = params.get(name)
-                model[name] = self.updated(param) if param is not None else value
-                state = self.optimizer.state.get(self.updated(param)) if param is not None else None
-                if state:
-                    optim[name] = {k: v for k, v in state.items() if torch.is_tensor(v)}
-        out = {"model": model, "optim": optim}
-        if self.ema:
-            names = {id(p): n for m in self.modules for n, p in m.named_parameters()}
-            out["ema"] = {names[id(p)]: e for p, e in zip(self.params, self.ema, strict=True)}
-        if self.scaler.is_enabled():  # fp16 loss scaling: its scale and growth count
-            out["scaler"] = {k: torch.tensor(v) for k, v in self.scaler.state_dict().items()}
-        return out
-
-    def load_named_state(self, state: dict[str, Any], view: View = lambda s: s) -> None:
-        """Copy `state` (named_state's structure, as `view` shows it) into the live tensors,
-        where it holds other tensors than those (a checkpoint loaded in place needs no copy)."""
-        live = view(self.named_state())
-        with torch.no_grad():
-            for name, target in live["model"].items():
-                _copy(target, state["model"][name])
-            for name, moments in live["optim"].items():
-                for key, target in moments.items():
-                    _copy(target, state["optim"][name][key])
-            for name, target in live.get("ema", {}).items():
-                # A checkpoint without an EMA starts it from its weights.
-                _copy(target, state.get("ema", state["model"])[name])
-            for p, m in self.master.items():
-                p.copy_(m)
-        if self.scaler.is_enabled() and "scaler" in state:
-            self.scaler.load_state_dict({k: v.item() for k, v in state["scaler"].items()})
-
-    def state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds of weights, gradients, optimizer state and EMA (its shards
-        where split), read off the tensors while the gradients exist."""
-        held = self.params + list(self.master.values())
-        moments = [v for s in self.optimizer.state.values() for v in s.values() if v.dim()]
-        measured = {
-            "params": local_bytes(held),
-            "grads": local_bytes([t.grad for t in held if t.grad is not None]),
-            "optimizer": local_bytes(moments),
-        }
-        if self.ema:
-            measured["ema"] = local_bytes(self.ema)
-        head = self.classifier
-        if head:  # the classifier's share: weights, gradients, AdamW moments
-            head_moments = [v for q in head for v in self.optimizer.state[q].values()]
-            grads = [q.grad for q in head if q.grad is not None]
-            measured["classifier"] = local_bytes(head + grads + head_moments)
-        return measured
 
 
 def accumulate(
@@ -354,26 +293,3 @@ def metric_sums(
             after_batch()
     keys = sorted(totals)
     return keys, torch.stack([totals[k] for k in keys]) if keys else torch.zeros(0, device=device)
-
-
-def local_part(t: torch.Tensor) -> torch.Tensor:
-    """The part of `t` this rank stores (a DTensor's local shard; a plain tensor itself)."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _copy(target: torch.Tensor, value: torch.Tensor) -> None:
-    """target <- value, unless value is target's own memory (loaded in place)."""
-    mine, theirs = local_part(target), local_part(value)
-    if mine.data_ptr() == theirs.data_ptr() and mine.shape == theirs.shape:
-        return
-    target.copy_(value.to(target.dtype))
-
-
-def local_bytes(tensors: list[torch.Tensor]) -> int:
-    """Bytes this rank holds of `tensors` (its shards of DTensors)."""
-    total = 0
-    for t in tensors:
-        local = local_part(t)
-        if local.dim():
-            total += local.numel() * local.element_size()
-    return total

@@ -28,6 +28,7 @@ from accel.backends.base import (
 )
 from accel.backends.torch_family.core import TorchCore, fused_guard, live_tensors, metric_sums
 from accel.backends.torch_family.layout import Layout
+from accel.backends.torch_family.named_state import load_named_state, named_state
 from accel.backends.torch_family.split import SplitLayout
 from accel.backends.torch_family.step_random import StepRandom
 from accel.backends.torch_family.whole import WholeLayout
@@ -233,10 +234,10 @@ class EagerRunner(RunnerBase):
         return dict(zip(keys, layout.sum_over_ranks(sums).cpu().tolist(), strict=True))
 
     def checkpoint_state(self) -> dict[str, Any]:
-        return self.layout.checkpoint_view(self.core.named_state())
+        return self.layout.checkpoint_view(named_state(self.core))
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.core.load_named_state(state, self.layout.checkpoint_view)
+        load_named_state(self.core, state, self.layout.checkpoint_view)
 
     def live_state(self) -> dict[str, Any]:
         return live_tensors(self.core, self.checkpoint_state())  # DTensors where split

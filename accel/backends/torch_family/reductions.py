@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from accel.backends.torch_family.core import local_part
+from accel.backends.torch_family.named_state import local_part
 
 
 def all_reduce(value: torch.Tensor, group=None, mean: bool = False) -> torch.Tensor:

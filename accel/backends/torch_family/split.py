@@ -18,7 +18,6 @@ compute their own way, and where their batches hold it).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Callable
 from typing import Any, cast
 
@@ -35,15 +34,8 @@ from accel.backends.torch_family.layout import ForwardLoss, Layout, remat
 from accel.backends.torch_family.stages import Stages
 from accel.config import AccelError, BackendConfig
 from accel.losses import ClassificationBatches, SoftTargetBatches, SoftTargetParts
-from accel.parallel import fsdp, pipeline, tensor_parallel, tp_head
-from accel.parallel.materialize import (
-    allocate,
-    builder,
-    is_meta,
-    named_tensors,
-    pieces_from_rank0,
-    place,
-)
+from accel.parallel import fsdp, tensor_parallel
+from accel.parallel.materialize import materialize
 from accel.parallel.mesh import Axis, MeshAxis, ParallelDims
 
 
@@ -71,16 +63,13 @@ class SplitLayout(Layout):
     # --- building -----------------------------------------------------------------------------
     def adopt(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
         """A split model is cut on the meta device and each rank's part is filled from rank 0's
-        build. Refused where the model lacks what a pipeline or a split classifier cuts."""
-        try:
-            if self.dims.pp > 1:
-                pipeline.pipeline_parts(model)
-            if self.dims.tp_head:
-                tp_head.linear_classifier(model)
-        except ValueError as e:
-            raise AccelError(str(e)) from None
+        build (what it cuts, prepare has checked the model gives: accel/checks.py)."""
         remat(model, self.cfg.step.remat)  # the meta model, which becomes this rank's part
-        modules = self.materialize(model, init)
+        modules = materialize(
+            model, init, self.split, self.model_view, self.param_dtype, self.device
+        )
+        if self.stages is not None:
+            self.stages.allocated()
         self.module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         self.forward = self.module
         return modules
@@ -104,32 +93,6 @@ class SplitLayout(Layout):
             for part in parts:
                 fsdp.apply_fsdp(part, dims.shard, self.amp, self.dp.mesh)
         return parts
-
-    def materialize(self, model: nn.Module, init: ModelInit | None) -> list[nn.Module]:
-        """Split the model as its meta twin (a model given whole is copied to the meta device
-        and filled from rank 0's copy), allocate this rank's part, fill it from rank 0."""
-        if is_meta(model):
-            build = builder(init)
-        else:
-            given = model
-            build = lambda: given  # noqa: E731
-            model = copy.deepcopy(model).to("meta")
-        model = model.to(self.param_dtype)
-        reference = copy.deepcopy(model)  # the whole model's names and shapes
-        modules = self.split(model)
-
-        def parts() -> dict[str, torch.Tensor]:  # by the whole model's names and regions
-            tensors = {n: t for m in modules for n, t in named_tensors(m)}
-            return self.checkpoint_view({"model": tensors, "optim": {}})["model"]
-
-        # Rank 0's values first, then this rank's storage: rank 0 never holds a whole model
-        # and its own part at once.
-        pieces = pieces_from_rank0(parts(), reference, build, self.device)
-        allocate(modules, self.device)
-        place(parts(), pieces)
-        if self.stages is not None:
-            self.stages.allocated()
-        return modules
 
     # --- the step -----------------------------------------------------------------------------
     def loss_fn(self, loss_fn: LossFn) -> LossFn:
@@ -225,6 +188,10 @@ class SplitLayout(Layout):
     def attached(self, core: TorchCore) -> None:
         if self.head is not None:
             self.head.attached(core)
+
+    def model_view(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This rank's tensors by the whole model's names and regions."""
+        return self.checkpoint_view({"model": tensors, "optim": {}})["model"]
 
     def checkpoint_view(self, state: dict[str, Any]) -> dict[str, Any]:
         """The split classifier's rows as DTensors of the whole classifier; every other split

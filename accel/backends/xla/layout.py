@@ -15,6 +15,7 @@ from torch.utils.hooks import RemovableHandle
 
 from accel.backends.torch_family.core import TorchCore
 from accel.backends.torch_family.first_state import init_optimizer_state
+from accel.backends.torch_family.named_state import load_named_state, named_state
 from accel.backends.xla.devices import XlaDevices
 from accel.backends.xla.runtime import xm, xs
 from accel.config import MeshConfig
@@ -99,10 +100,10 @@ class XlaLayout:
 
     # --- named state --------------------------------------------------------------------------
     def checkpoint_state(self) -> dict[str, Any]:
-        return self.core.named_state()
+        return named_state(self.core)
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
-        self.core.load_named_state(state)
+        load_named_state(self.core, state)
         self.reshard()
         self.devices.sync()
 
