@@ -55,7 +55,18 @@ def check_layout(model: nn.Module, config: BackendConfig) -> dict[str, int]:
     """What the layout cuts, given by the model, refused in one line before anything is built:
     the tensor-parallel plan over its layers (tp=), the parts a pipeline cuts and a block for
     each of its stages (pp=), a linear classifier to split (tp_head=). Returns the weights tp=
-    splits (name -> axis)."""
+    splits (name -> axis). `prepare` runs it; a launcher may run it first on the model built
+    on the meta device (`accel.check_layout`), before it starts any process.
+
+    >>> import torch, accel
+    >>> with torch.device("meta"):
+    ...     model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    >>> try:
+    ...     accel.check_layout(model, accel.with_keywords(backend="eager", pp=2))
+    ... except accel.AccelError as err:
+    ...     print(str(err).split(" (")[0])
+    pp= cuts a model that gives pipeline_parts()
+    """
     mesh = config.mesh
     try:
         if mesh.pp > 1:

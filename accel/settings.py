@@ -36,6 +36,7 @@ from accel.config import (
     StepConfig,
     shared_compile_cache,
 )
+from accel.parallel.mesh import ParallelDims
 
 # The config's fields a keyword sets, and where each lives ("" the config's own), read from the
 # configs themselves: prepare's signature is the one place its keywords are written.
@@ -88,6 +89,17 @@ class Settled:
     def supports(self) -> Supports:
         """What the settled backend runs (accel.backends.support_matrix() shows all)."""
         return self.module.SUPPORTS
+
+    def mesh_line(self, world: int) -> str:
+        """The mesh the config lays over `world` processes (or devices, where the backend runs
+        its replicas on one process's devices), in one line for a launcher to print.
+
+        >>> import accel
+        >>> accel.settle(accel.with_keywords(backend="eager", tp=2)).mesh_line(4)
+        'mesh dp 2 x tp 2 (4 processes)'
+        """
+        ranks = "processes" if self.supports.replicas == "processes" else "devices"
+        return ParallelDims.of(self.config.mesh, world).describe(ranks)
 
 
 def settle(config: BackendConfig, env: Mapping[str, str] | None = None) -> Settled:

@@ -21,12 +21,11 @@ from accel.cli.data.folder import count_images
 from accel.cli.data.loaders import folder_num_classes
 from accel.cli.job import backend_config
 from accel.cli.memory_check import check_memory
-from accel.cli.models.factory import check_input_size, check_model_name, create_model, meta_model
+from accel.cli.models.factory import check_input_size, check_model_name, meta_model
 from accel.cli.models.pretrained import fit, read_state_dict, source_of
 from accel.cli.recipes import describe
 from accel.cli.runs import check_free, latest_resumable, new_run_name
 from accel.config import AccelError
-from accel.parallel import ParallelDims, is_vit, resolve_plan, stages_per_rank
 
 
 def check_data(cfg: RunConfig) -> int:
@@ -52,35 +51,28 @@ def check_data(cfg: RunConfig) -> int:
     return classes
 
 
-def check_model(cfg: RunConfig) -> None:
+def check_model(cfg: RunConfig, settled: accel.Settled) -> None:
+    """--model, its input size, and what the layout cuts of it (the tensor split's layers, the
+    pipeline's blocks, the split classifier), checked by the library on the model built on the
+    meta device as prepare will check it on every rank: refused here, before any process
+    starts. The library's word for the model is its --model name here."""
     check_model_name(cfg.model.name)
     check_input_size(cfg.model)
     mesh = cfg.accel.mesh
-    if mesh.pp < 2 and mesh.tp < 2:
+    if mesh.pp < 2 and mesh.tp < 2 and mesh.tp_head < 2:
         return
-    with torch.device("meta"):
-        vit = create_model(cfg.model).model
-    if mesh.tp > 1:  # the blocks split by module type: refused here if they cannot be
-        resolve_plan(vit, None, mesh.tp)
-    if mesh.pp < 2:
-        return
-    if not is_vit(vit):
-        raise AccelError(f"--pp cuts ViT-style models by blocks; {cfg.model.name} is not one")
-    stages = mesh.pp * stages_per_rank(mesh.pp_schedule)
-    if stages > len(vit.blocks):
-        raise AccelError(
-            f"--pp {mesh.pp} ({mesh.pp_schedule}) needs {stages} stages, "
-            f"{cfg.model.name} has {len(vit.blocks)} blocks"
-        )
+    try:
+        accel.check_layout(meta_model(cfg.model), settled.config)
+    except AccelError as err:
+        raise AccelError(str(err).replace("the model ", f"{cfg.model.name} ")) from None
 
 
-def mesh_notes(cfg: RunConfig, replicas: str) -> list[str]:
+def mesh_notes(cfg: RunConfig, settled: accel.Settled) -> list[str]:
     """The model-parallel mesh, and the padding of a split classifier."""
     mesh = cfg.accel.mesh
-    dims = ParallelDims.of(mesh, cfg.hosts.nnodes * mesh.devices)
-    if dims.tp == 1 and dims.pp == 1:
+    if max(mesh.tp, mesh.tp_head) == 1 and mesh.pp == 1:
         return []
-    line = dims.describe("processes" if replicas == "processes" else "devices")
+    line = settled.mesh_line(cfg.hosts.nnodes * mesh.devices)
     if mesh.pp > 1:
         line += f", {mesh.pp_schedule} schedule, {mesh.pp_microbatches} micro-batches"
     if mesh.tp_head < 2:
@@ -210,7 +202,8 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
     backend, why = accel.resolve_backend(cfg.backend, env)
     cfg = jax_hosts(replace_path(cfg, "accel.backend", backend), env)
     notes = [f"backend {backend} ({why})"]
-    supports = accel.settle(backend_config(cfg), env).supports
+    settled = accel.settle(backend_config(cfg), env)
+    supports = settled.supports
     # --data_device gpu hands the backend batches decoded on the CUDA device.
     if cfg.data.data_device == "gpu" and not supports.cuda_batches:
         raise AccelError(
@@ -218,7 +211,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
             "--backends shows what each backend runs)"
         )
     check_gpu_count(cfg, supports.replicas)
-    check_model(cfg)
+    check_model(cfg, settled)
     on_gpu = torch.cuda.is_available() and supports.cuda_batches
     check_memory(cfg, supports.replicas, on_gpu)
     classes = check_data(cfg)
@@ -239,4 +232,4 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
     cfg = dataclasses.replace(cfg, run_name=resolve_run_name(cfg))
     check_free(cfg.run_dir())
     check_resume(cfg)
-    return cfg, supports, describe(cfg) + notes + mesh_notes(cfg, supports.replicas)
+    return cfg, supports, describe(cfg) + notes + mesh_notes(cfg, settled)

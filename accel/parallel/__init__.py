@@ -6,14 +6,7 @@ model in order over one mesh description (mesh.py's `ParallelDims`): `cut_vit` a
 
 from __future__ import annotations
 
-import importlib
 import warnings
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from accel.parallel.mesh import ParallelDims
-    from accel.parallel.pipeline import is_vit, stages_per_rank
-    from accel.parallel.tensor_parallel import resolve_plan
 
 
 def effective_shard(requested: str, world_size: int) -> str:
@@ -27,18 +20,6 @@ def effective_shard(requested: str, world_size: int) -> str:
     return requested
 
 
-# The public names, each loaded from its module on first use (importing accel.parallel imports
-# none of them): what a script, and the command line, may use.
-HOMES = {
-    "ParallelDims": "accel.parallel.mesh",
-    "is_vit": "accel.parallel.pipeline",
-    "stages_per_rank": "accel.parallel.pipeline",
-    "resolve_plan": "accel.parallel.tensor_parallel",
-}
-__all__ = ["ParallelDims", "effective_shard", "is_vit", "resolve_plan", "stages_per_rank"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in HOMES:
-        return getattr(importlib.import_module(HOMES[name]), name)
-    raise AttributeError(f"module 'accel.parallel' has no attribute {name!r}")
+# A script reaches these through accel.prepare (its keywords and config) and accel.check_layout;
+# the command line too, as a script does.
+__all__ = ["effective_shard"]

@@ -94,7 +94,7 @@ CASES = [
     (
         ["--nproc_per_node", "3", "--tp", "3"],
         {},
-        ["'blocks.0.attn.proj' has 64 input features, not divisible by 3"],
+        ["blocks.0.attn.proj' has 64 input features, not divisible by 3"],
     ),
     (["--nproc_per_node", "2", "--model", "swin_micro", "--pp", "2"], {}, ["--pp cuts"]),
     (["--nproc_per_node", "4", "--pp", "4"], {}, ["4 stages", "vit_micro has 2 blocks"]),
