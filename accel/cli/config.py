@@ -86,8 +86,8 @@ class HostsConfig:
 
 def command_line_defaults() -> BackendConfig:
     """The library's settings as a run of the command line starts them: gradients clipped at a
-    norm of 1 (timm's and Swin's recipes clip; a script's prepare() clips only when asked), and
-    one process or device until --nproc_per_node says more (ACCEL_DEVICES is a script's)."""
+    norm of 1 (--clip_grad's default; a script's prepare() clips only when asked), and one
+    process or device until --nproc_per_node says more (ACCEL_DEVICES is a script's)."""
     return BackendConfig(step=StepConfig(clip_grad=1.0), mesh=MeshConfig(devices=1))
 
 
