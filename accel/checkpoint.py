@@ -19,6 +19,7 @@ import re
 import shutil
 import uuid
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -147,6 +148,35 @@ def sharded_keys(path: Path) -> set[str]:
         raise CheckpointError(f"{path}: {err}") from None
     except (OSError, EOFError, pickle.UnpicklingError) as err:
         raise CheckpointError(f"{path} is not a readable checkpoint ({first_line(err)})") from None
+
+
+def _folder_tensors(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each key of a checkpoint folder, read alone (DCP reads only its chunks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from accel.dcp_reader import SafeReader, TensorsOnly, read_index
+
+    index = read_index(path).state_dict_metadata
+    for key in keys:
+        meta = cast(TensorStorageMetadata, index[key])  # the keys of stored tensors
+        target = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
+        dcp.load({key: target}, storage_reader=SafeReader(path), planner=TensorsOnly())
+        yield key, target
+
+
+def section_tensors(path: Path, section: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """(flattened key, tensor) of one section ('model', 'optim', 'ema', 'rng') of a checkpoint, a
+    file or a folder, read on the host one tensor at a time where it is a folder (an exporter's
+    read: nothing loaded into a layout, nothing unpickled but tensors)."""
+    if path.is_dir():
+        keys = sorted(k for k in sharded_keys(path) if k.startswith(section + "."))
+        yield from _folder_tensors(path, keys)
+        return
+    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state"]
+    for key, value in flatten(state).items():
+        if key.startswith(section + "."):
+            yield key, value
 
 
 # --- loading into a layout ---------------------------------------------------------------------

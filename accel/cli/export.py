@@ -15,20 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
-from accel.checkpoint import (
-    FORMAT,
-    CheckpointError,
-    flatten,
-    read_meta,
-    sharded_keys,
-    write_file,
-)
+from accel.checkpoint import FORMAT, CheckpointError, read_meta, section_tensors, write_file
 
 PREFIX = "model."  # the ImageClassifier wrapper's name for the timm model inside it
 SAFETENSORS_DTYPES = {
@@ -40,33 +32,6 @@ SAFETENSORS_DTYPES = {
     torch.bool: "BOOL",
     torch.uint8: "U8",
 }
-
-
-def _folder_tensors(path: Path, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Each key of a checkpoint folder, read alone (DCP reads only its chunks)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
-    from accel.dcp_reader import SafeReader, TensorsOnly, read_index
-
-    index = read_index(path).state_dict_metadata
-    for key in keys:
-        meta = cast(TensorStorageMetadata, index[key])  # the keys of stored tensors
-        target = torch.empty(tuple(meta.size), dtype=meta.properties.dtype)
-        dcp.load({key: target}, storage_reader=SafeReader(path), planner=TensorsOnly())
-        yield key, target
-
-
-def tensors(path: Path, section: str) -> Iterator[tuple[str, torch.Tensor]]:
-    """(flattened key, tensor) of one section ('model', 'optim', 'ema') of a checkpoint."""
-    if path.is_dir():
-        keys = sorted(k for k in sharded_keys(path) if k.startswith(section + "."))
-        yield from _folder_tensors(path, keys)
-        return
-    state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["state"]
-    for key, value in flatten(state).items():
-        if key.startswith(section + "."):
-            yield key, value
 
 
 def timm_name(key: str, section: str) -> str:
@@ -101,7 +66,7 @@ def export_weights(path: Path, out: Path, section: str = "model") -> int:
     """The timm state dict of a checkpoint's model (or its EMA) as safetensors."""
     meta = read_meta(path)
     model = json.loads(meta["config"])["model"]["name"]
-    named = [(timm_name(k, section), t) for k, t in tensors(path, section)]
+    named = [(timm_name(k, section), t) for k, t in section_tensors(path, section)]
     if not named:
         raise CheckpointError(f"{path} holds no '{section}' weights")
     write_safetensors(out, named, {"model": model, "source": path, "step": meta["loop"]["step"]})
@@ -113,7 +78,7 @@ def export_checkpoint(path: Path, out: Path) -> int:
     meta = read_meta(path)
     state: dict = {}
     for section in ("model", "optim", "ema", "scaler"):
-        for key, tensor in tensors(path, section):
+        for key, tensor in section_tensors(path, section):
             node = state
             parts = key.split(".")
             head, *rest = parts
@@ -126,7 +91,7 @@ def export_checkpoint(path: Path, out: Path) -> int:
                 node[".".join(rest)] = tensor
     if "rng" not in meta:  # a folder keeps each rank's generator states under rng.rank<r>
         ranks: dict[int, dict] = {}
-        for key, tensor in tensors(path, "rng"):
+        for key, tensor in section_tensors(path, "rng"):
             _, rank, name = key.split(".", 2)
             ranks.setdefault(int(rank.removeprefix("rank")), {})[name] = tensor
         meta["rng"] = [ranks[r] for r in sorted(ranks)]
