@@ -12,6 +12,7 @@ import jax
 import torch
 
 import accel.backends.jax.runtime as runtime
+from accel.batches import ModelCall
 from accel.parallel.remat import remat_blocks
 
 
@@ -19,47 +20,6 @@ class WeightReads(Protocol):
     """The traced loss's record of the weights it read (tracing.py's ParameterReads)."""
 
     def read_all(self, tensors: Any) -> None: ...
-
-
-class Slot:
-    """Where a tensor stood in a block's arguments (split_tensors)."""
-
-    def __init__(self, index: int):
-        self.index = index
-
-
-def split_tensors(tree: Any) -> tuple[list[torch.Tensor], Callable[[list], Any]]:
-    """The tensors inside tuples, lists and dicts, and a function that puts others in their
-    places (a block's arguments: its tensors traced, the rest as they are)."""
-    tensors: list[torch.Tensor] = []
-
-    def strip(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            tensors.append(value)
-            return Slot(len(tensors) - 1)
-        if isinstance(value, tuple | list):
-            items = [strip(v) for v in value]
-            return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-        if isinstance(value, dict):
-            return {k: strip(v) for k, v in value.items()}
-        return value
-
-    skeleton = strip(tree)
-
-    def rebuild(values: list) -> Any:
-        def fill(value: Any) -> Any:
-            if isinstance(value, Slot):
-                return values[value.index]
-            if isinstance(value, tuple | list):
-                items = [fill(v) for v in value]
-                return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
-            if isinstance(value, dict):
-                return {k: fill(v) for k, v in value.items()}
-            return value
-
-        return fill(skeleton)
-
-    return tensors, rebuild
 
 
 class BlockCall(torch.nn.Module):
@@ -112,14 +72,14 @@ class BlockRemat:
             weights = {**dict(block.named_parameters()), **dict(block.named_buffers())}
             if self.reads is not None:
                 self.reads.read_all(weights.values())
-            tensors, rebuild = split_tensors((args, kwargs))
+            call = ModelCall.of(args, kwargs)  # its tensors traced, the rest as they are
             # The block draws from the step's key as it would unrecomputed: the key goes in,
             # and the key its draws left comes out as the step's key.
             key = self.env.param.prng
 
-            def pure(arrays: dict, inputs: list, key_: Any) -> tuple:
+            def pure(arrays: dict, inputs: tuple, key_: Any) -> tuple:
                 given = interop.torch_view(arrays)
-                args_, kwargs_ = rebuild(interop.torch_view(inputs))
+                args_, kwargs_ = call.rebuild(interop.torch_view(inputs))
                 with self.env.override_property(prng=key_):
                     named = {f"block.{n}": v for n, v in given.items()}
                     out = torch.func.functional_call(owner, named, args_, kwargs_)
@@ -131,7 +91,9 @@ class BlockRemat:
                 return interop.jax_view(out), written, key_
 
             recompute = jax.checkpoint(pure, policy=self.policy)
-            out, written, key = recompute(interop.jax_view(weights), interop.jax_view(tensors), key)
+            out, written, key = recompute(
+                interop.jax_view(weights), interop.jax_view(call.tensors), key
+            )
             self.env.param.prng = key
             for name, value in written.items():  # a buffer the block wrote (running statistics)
                 weights[name].copy_(interop.torch_view(value))
