@@ -318,12 +318,14 @@ def _own_option(path: str, f: dataclasses.Field, kind: Any) -> Option:
     return Option(path, kind, f.default, section, f.metadata)
 
 
-def _library_option(placed: Placed, flag: Flag, types: Mapping[str, Any]) -> Option:
+def _library_option(
+    placed: Placed, flag: Flag, types: Mapping[str, Any], defaults: RunConfig
+) -> Option:
     path = f"accel.{flag.field}"
     # Shown as the flag's name (NPROC_PER_NODE), not the library field's (DEVICES).
     metavar = flag.flag.lstrip("-").upper()
     meta = {"help": flag.help, "flag": flag.flag, "metavar": metavar, **flag.meta}
-    return Option(path, types[path], get_path(RunConfig(), path), placed.section, meta)
+    return Option(path, types[path], get_path(defaults, path), placed.section, meta)
 
 
 def options() -> list[Option]:
@@ -331,6 +333,7 @@ def options() -> list[Option]:
     fields (but cli=False) with the library's flags placed among them."""
     leaves = leaf_fields(RunConfig)
     types = {path: kind for path, _, kind in leaves}
+    defaults = RunConfig()  # the library's fields' defaults as the command line starts them
     out: list[Option] = []
     for path, f, kind in leaves:
         if path.startswith("accel.") or f.metadata.get("cli") is False:
@@ -338,9 +341,9 @@ def options() -> list[Option]:
         own = _own_option(path, f, kind)
         before = [p for p in LIBRARY_FLAGS if p.before == path]
         after = [p for p in LIBRARY_FLAGS if p.after == path]
-        out += [_library_option(p, flag, types) for p in before for flag in p.flags]
+        out += [_library_option(p, flag, types, defaults) for p in before for flag in p.flags]
         out.append(own)
-        out += [_library_option(p, flag, types) for p in after for flag in p.flags]
+        out += [_library_option(p, flag, types, defaults) for p in after for flag in p.flags]
     return out
 
 
