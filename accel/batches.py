@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from accel.config import AccelError
+from accel.logits import FromLogits
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class BatchTrees:
     def loss(self, loss_fn: Callable) -> Callable:
         """`loss_fn` as the backend runs it: on the batch's tensors, given back to it in the
         batch's structure. A loss that says how it reads its batch to the layouts that compute
-        it their own way (accel.losses.SoftTargetBatches) takes tuples, as it is."""
+        it their own way (accel.logits.FromLogits) takes tuples, as it is."""
         if reads_tuples(loss_fn):
             return loss_fn
 
@@ -233,9 +234,8 @@ def _filled(value: Any, tensors: Iterator[Any]) -> Any:
 
 def reads_tuples(fn: Callable) -> bool:
     """Whether `fn` says how it reads its batch to the layouts that compute it their own way
-    (accel.losses.SoftTargetBatches, ClassificationBatches: the command line's): those take
-    tuples. Their protocols' methods, looked up here without importing the losses (timm)."""
-    return hasattr(fn, "soft_target_parts") or hasattr(fn, "classification_parts")
+    (accel.logits.FromLogits: the command line's loss and metric): those take tuples."""
+    return isinstance(fn, FromLogits)
 
 
 def _same_tree(batches: Iterable[Any], seen: list[Tree], where: str) -> Iterator[tuple]:

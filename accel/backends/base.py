@@ -73,13 +73,13 @@ class StepResult(_LossApplied):
         return out
 
 
-def classifier_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    """The parameters of the model's final classifier, where the model names them: a model with
-    a `classifier_parameters()` method (returning its classifier's parameters) has their share
-    of the training state reported apart (BackendStats.state_bytes' 'classifier'); any other
-    model, none."""
-    named = getattr(model, "classifier_parameters", None)
-    return list(named()) if callable(named) else []
+def final_layer_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    """The parameters of the layer the model gives as its classifier (`get_classifier()`, as
+    timm's models and the command line's do): their share of the training state is reported
+    apart (BackendStats.state_bytes' 'classifier'); a model without the method, none."""
+    given = getattr(model, "get_classifier", None)
+    layer = given() if callable(given) else None
+    return list(layer.parameters()) if isinstance(layer, torch.nn.Module) else []
 
 
 def group_divisor(micro_steps: int, accum: int) -> int:

@@ -28,7 +28,8 @@ def process_state_bytes(cfg: RunConfig, replicas: str) -> tuple[int, int]:
     with torch.device("meta"):
         model = create_model(cfg.model)
     params = sum(p.numel() for p in model.parameters())
-    head = sum(p.numel() for p in model.classifier_parameters())
+    classifier = model.get_classifier()
+    head = sum(p.numel() for p in classifier.parameters()) if classifier is not None else 0
     mesh, per = cfg.accel.mesh, bytes_per_parameter(cfg.accel.step.amp)
     procs = mesh.devices
     tp = max(mesh.tp, mesh.tp_head)

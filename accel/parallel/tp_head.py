@@ -3,10 +3,9 @@ group, the body replicated across them, so a classifier over a million classes n
 full weight, gradient, optimizer state or logits on one rank.
 
 Ranks form a dp x tp mesh (tp innermost): ranks of a tp group train on the same batch; dp groups
-(same tp index) split the data. The soft-target cross-entropy and the top-1 of evaluation are
-computed from the logit shards with a few collectives of one value per sample. The pieces are
-written here rather than taken from DTensor's `loss_parallel`, which supports class-index
-targets only (mixup and label smoothing need soft ones).
+(same tp index) split the data. The caller's loss and metric are computed from the logit
+shards (accel.logits: `FromLogits`, `ClassShards`) with a few collectives of one value per
+sample.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-from accel.losses import masked_sums
 from accel.parallel.mesh import MeshAxis
 
 
@@ -118,61 +116,6 @@ def apply_tp_head(model: nn.Module, layout: MeshAxis) -> ShardedClassifier:
     sharded = ShardedClassifier(full, layout)
     setattr(model.get_submodule(parent_name), attr, sharded)
     return sharded
-
-
-class _ParallelSoftTargetCE(torch.autograd.Function):
-    """Per-sample -sum(t * log_softmax(logits)) over the classes of all shards."""
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, group) -> torch.Tensor:
-        ctx.dtype = logits.dtype
-        logits = logits.float()
-        top = logits.max(-1, keepdim=True).values
-        dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
-        exp = (logits - top).exp()
-        total = exp.sum(-1, keepdim=True)
-        dist.all_reduce(total, group=group)
-        log_z = top + total.log()
-        parts = torch.stack([-(targets * (logits - log_z)).sum(-1), targets.sum(-1)])
-        dist.all_reduce(parts, group=group)
-        loss, target_mass = parts
-        ctx.save_for_backward(exp / total, targets, target_mass)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        probs, targets, target_mass = ctx.saved_tensors
-        grad_logits = (probs * target_mass[:, None] - targets) * grad[:, None]
-        return grad_logits.to(ctx.dtype), None, None
-
-
-def soft_target_loss(logits: torch.Tensor, targets: torch.Tensor, head: ShardedClassifier):
-    """The mean soft-target cross-entropy from this rank's logit shard and the full targets."""
-    local = head.local_targets(targets.float())
-    return _ParallelSoftTargetCE.apply(logits, local, head.group).mean()
-
-
-def eval_sums(
-    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, head: ShardedClassifier
-) -> torch.Tensor:
-    """masked_sums, as accel.losses.eval_sums, without the full logits: the top-k from each
-    shard's best k (value, class), compared across the shards."""
-    logits = logits.float()
-    onehot = torch.zeros_like(logits)
-    local = labels - head.start
-    here = (local >= 0) & (local < head.valid)
-    onehot[here, local[here]] = 1.0
-    loss = _ParallelSoftTargetCE.apply(logits, onehot, head.group)
-    k = min(5, head.per)
-    best, index = logits.topk(k, dim=-1)  # [batch, k]
-    candidates = torch.stack([best, (index + head.start).float()])
-    gathered = [torch.empty_like(candidates) for _ in range(dist.get_world_size(head.group))]
-    dist.all_gather(gathered, candidates, group=head.group)
-    values = torch.cat([g[0] for g in gathered], dim=-1)  # [batch, tp * k]
-    classes = torch.cat([g[1] for g in gathered], dim=-1)
-    top = classes.gather(-1, values.topk(min(5, head.classes), dim=-1).indices).long()
-    hits = top == labels[:, None]
-    return masked_sums(loss, hits[:, 0], mask, hits.any(-1))
 
 
 def grad_norm(params: list[torch.Tensor], head_params: set[int], group) -> torch.Tensor:

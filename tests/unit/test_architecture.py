@@ -318,11 +318,16 @@ BACKEND_FILE_LINES = 400
 # The room every file and class keeps under those ceilings, so that the next change lands without
 # trimming comments or joining lines: each is shaped (split by what it does) before it nears one.
 ROOM = 0.85
-# The command line's task and its run folder's policy: its model, its loss and metrics, its
-# summary's names, its checkpoints' names and pruning (accel/cli/task.py, accel/cli/checkpoints.py).
+# The command line's task and its run folder's policy: its model, its loss and metrics (the
+# soft-target cross-entropy, the top-1/top-5 sums and their names), its summary's names, its
+# checkpoints' names and pruning (accel/cli/task.py, accel/cli/checkpoints.py). The library
+# computes a loss or metric from split logits through accel.logits.FromLogits, whichever it is.
 TASK_NAMES = (
     "ImageClassifier", "classifier_loss", "classifier_metrics", "summarise", "summary.json",
     "eval_acc", "latest_checkpoint", "list_checkpoints", "prune(", "step_N", "run_dir",
+    "SoftTargetCrossEntropy", "soft_target", "SoftTarget", "eval_sums", "EVAL_SUMS",
+    "masked_sums", "correct5", "top-5", "classifier_parameters", "ClassifierLoss",
+    "ClassifierMetrics",
 )  # fmt: skip
 
 

@@ -1,6 +1,6 @@
 """What the pipeline and the split classifier need of a model and a loss comes as hooks any model
-can give (accel.parallel's `Pipelined`, `HasClassifier`; accel.losses' `SoftTargetBatches`,
-`ClassificationBatches`); the command line's model and loss give them."""
+can give (accel.parallel's `Pipelined`, `HasClassifier`; accel.logits' `FromLogits`); the command
+line's model, loss and metric give them."""
 
 from __future__ import annotations
 
@@ -8,15 +8,10 @@ import pytest
 import torch
 from torch import nn
 
+from accel.backends.base import final_layer_parameters
 from accel.cli.models import ModelConfig, create_model
 from accel.cli.task import classifier_loss, classifier_metrics
-from accel.losses import (
-    ClassificationBatches,
-    ClassificationSums,
-    SoftTargetBatches,
-    SoftTargetLoss,
-    soft_target_loss,
-)
+from accel.logits import FromLogits
 from accel.parallel import fsdp, pipeline, tp_head
 from accel.parallel.materialize import named_tensors
 
@@ -32,7 +27,7 @@ def test_the_command_line_model_gives_the_hooks_of_the_split_layouts():
     assert stem is model.input_norm and vit is model.model
     assert tp_head.linear_classifier(model) is model.model.head
     assert fsdp.transformer_blocks(model) == list(model.model.blocks)
-    assert model.classifier_parameters() == list(model.model.head.parameters())
+    assert final_layer_parameters(model) == list(model.model.head.parameters())
 
 
 def test_a_stage_keeps_the_whole_models_names_the_first_with_the_normalisation():
@@ -77,40 +72,45 @@ def test_what_a_layout_cuts_is_checked_once_before_anything_is_built(model, mesh
     assert check_layout(meta_vit(), BackendConfig("eager", mesh=MeshConfig(pp=2, tp_head=2))) == {}
 
 
-def test_the_command_line_loss_and_metric_declare_what_they_compute():
-    assert isinstance(classifier_loss, SoftTargetLoss)
-    assert isinstance(classifier_metrics, ClassificationSums)
-    logits, targets = torch.randn(3, 5), torch.softmax(torch.randn(3, 5), -1)
-    loss = classifier_loss(lambda x: x, (logits, targets))
-    torch.testing.assert_close(loss, soft_target_loss(logits, targets))
-
-
 class TargetsFirst:
-    """A user's own soft-target loss over batches (targets, inputs): it says where its batch
-    holds what the split layouts compute their own way."""
+    """A user's own loss over batches (targets, inputs) of class labels: it says where its
+    batch holds what the split layouts compute their own way."""
 
-    def soft_target_parts(self, batch):
+    def logits_parts(self, batch):
         targets, inputs = batch
-        return inputs, targets, ()
+        return (inputs,), (targets,)
+
+    def from_logits(self, logits, labels):
+        return nn.functional.cross_entropy(logits, labels)
+
+    def from_shards(self, shards, labels):
+        return shards.cross_entropy(labels).mean()
 
     def __call__(self, model, batch):
-        inputs, targets, _ = self.soft_target_parts(batch)
-        return soft_target_loss(model(inputs), targets)
+        args, targets = self.logits_parts(batch)
+        return self.from_logits(model(*args), *targets)
 
 
-def test_a_loss_of_any_class_that_says_where_its_batch_holds_its_parts_is_a_split_loss():
-    assert isinstance(classifier_loss, SoftTargetBatches)
-    assert isinstance(classifier_metrics, ClassificationBatches)
-    assert isinstance(TargetsFirst(), SoftTargetBatches)
-    assert not isinstance(lambda model, batch: model(batch[0]).sum(), SoftTargetBatches)
-    assert not isinstance(TargetsFirst(), ClassificationBatches)
+def test_a_loss_or_metric_of_any_class_that_computes_from_logits_is_a_split_one():
+    assert isinstance(classifier_loss, FromLogits)
+    assert isinstance(classifier_metrics, FromLogits)
+    assert isinstance(TargetsFirst(), FromLogits)
+    assert not isinstance(lambda model, batch: model(batch[0]).sum(), FromLogits)
     logits, targets = torch.randn(3, 5), torch.softmax(torch.randn(3, 5), -1)
-    inputs, parts_targets, extras = TargetsFirst().soft_target_parts((targets, logits))
-    assert inputs is logits and parts_targets is targets and extras == ()
+    assert classifier_loss.logits_parts((logits, targets)) == ((logits,), (targets,))
+    rects = torch.zeros(3, 4)
+    assert classifier_loss.logits_parts((logits, targets, rects))[0] == (logits, rects)
+    hard = torch.eye(5)[targets.argmax(-1)]
     torch.testing.assert_close(
-        TargetsFirst()(lambda x: x, (targets, logits)),
-        classifier_loss(lambda x: x, (logits, targets)),
+        TargetsFirst()(lambda x: x, (targets.argmax(-1), logits)),
+        classifier_loss(lambda x: x, (logits, hard)),
     )
-    mask = torch.tensor([True, True, False])
-    labels = targets.argmax(-1)
-    assert classifier_metrics.classification_parts((logits, labels, mask))[2] is mask
+
+
+def test_the_metric_of_no_rows_gives_its_names_with_zeros():
+    """A pipeline's stages without the logits add these to the last stage's sums."""
+    labels, mask = torch.tensor([1, 0]), torch.tensor([True, False])
+    sums = classifier_metrics(lambda x: x, (torch.tensor([[0.0, 1.0], [1.0, 0.0]]), labels, mask))
+    none = classifier_metrics.from_logits(torch.zeros(0, 1), labels[:0], mask[:0])
+    assert list(none) == list(sums) and all(float(v) == 0.0 for v in none.values())
+    assert float(sums["correct"]) == 1.0 and float(sums["count"]) == 1.0

@@ -1,7 +1,7 @@
 """The split classifier's part of a split layout (`tp_head=2`): the rows of the classifier a
-model gives as `get_classifier()` (accel.parallel.tp_head), the loss and the evaluation sums
-computed from their logit shards, and the rows in checkpoints as DTensors of the whole
-classifier."""
+model gives as `get_classifier()` (accel.parallel.tp_head), the caller's loss and metric
+computed from their logit columns (accel.logits.FromLogits), and the rows in checkpoints as
+DTensors of the whole classifier."""
 
 from __future__ import annotations
 
@@ -11,9 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from accel.backends.base import MetricFn
 from accel.backends.torch_family.core import TorchCore
-from accel.losses import SoftTargetParts, named_sums
+from accel.logits import ClassShards, FromLogits
 from accel.parallel import tp_head
 from accel.parallel.mesh import MeshAxis
 
@@ -31,22 +30,16 @@ class SplitHead:
     def parameters(self) -> list[nn.Parameter]:
         return list(self.rows.parameters())
 
-    def loss(self, model: Callable, parts: SoftTargetParts) -> torch.Tensor:
-        """accel.losses.soft_target_loss from the logit shards, of a batch's (inputs, targets,
-        extras)."""
-        images, targets, extras = parts
-        return tp_head.soft_target_loss(model(images, *extras), targets, self.rows)
-
-    def metric_fn(self, parts: Callable[[tuple], tuple[torch.Tensor, ...]]) -> MetricFn:
-        """accel.losses.ClassificationSums' sums from the logit shards (the top-k from each
-        rank's classes), of the (inputs, labels, mask) `parts` reads from a batch."""
+    def computed(self, objective: FromLogits) -> Callable[[Callable, tuple], Any]:
+        """`objective`, a loss or a metric, as a function (model, batch) -> value that computes
+        it from this rank's logit columns."""
         rows = self.rows
 
-        def split_metrics(model: Callable, batch: tuple) -> dict[str, torch.Tensor]:
-            images, labels, mask = parts(batch)
-            return named_sums(tp_head.eval_sums(model(images), labels, mask, rows))
+        def from_columns(model: Callable, batch: tuple) -> Any:
+            args, targets = objective.logits_parts(batch)
+            return objective.from_shards(ClassShards(model(*args), rows), *targets)
 
-        return split_metrics
+        return from_columns
 
     def attached(self, core: TorchCore) -> None:
         """The rows as the optimizer holds them (the gradient norm sums theirs over the ranks)."""

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from accel.amp import AmpPolicy
-from accel.backends.base import Batch, LossFn, MetricFn, ModelInit, classifier_parameters
+from accel.backends.base import Batch, LossFn, MetricFn, ModelInit, final_layer_parameters
 from accel.backends.torch_family import reductions
 from accel.backends.torch_family.core import TorchCore, accumulate
 from accel.config import BackendConfig
@@ -104,9 +104,9 @@ class Layout:
         return state
 
     def classifier(self) -> list[nn.Parameter]:
-        """The classifier's parameters, whose share of the state is reported apart: those a
-        model gives as `classifier_parameters()` (none for a model without the method)."""
-        return classifier_parameters(self.module)
+        """The classifier's parameters, whose share of the state is reported apart: those of
+        the layer a model gives as `get_classifier()` (none for a model without the method)."""
+        return final_layer_parameters(self.module)
 
 
 def remat(model: nn.Module, choice: str) -> None:

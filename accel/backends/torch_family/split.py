@@ -12,8 +12,8 @@ and takes its values from the whole model rank 0 initialises (accel/parallel/mat
 What the pipeline and the split classifier need of the model and the loss comes as hooks any
 model can give: `pipeline_parts()` (accel.parallel.pipeline.Pipelined), `get_classifier()`
 (accel.parallel.tp_head.HasClassifier), and a loss and a metric that give
-accel.losses.SoftTargetBatches and ClassificationBatches (what they compute, which those layouts
-compute their own way, and where their batches hold it).
+accel.logits.FromLogits (their value from the logits, whole and split by class, which those
+layouts compute their own way, and where their batches hold the model's arguments).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from accel.backends.torch_family.head import SplitHead
 from accel.backends.torch_family.layout import ForwardLoss, Layout, remat
 from accel.backends.torch_family.stages import Stages
 from accel.config import AccelError, BackendConfig
-from accel.losses import ClassificationBatches, SoftTargetBatches, SoftTargetParts
+from accel.logits import FromLogits
 from accel.parallel import fsdp, tensor_parallel
 from accel.parallel.materialize import materialize
 from accel.parallel.mesh import Axis, MeshAxis, ParallelDims
@@ -54,7 +54,7 @@ class SplitLayout(Layout):
         self.data_parallel = (self.dp.rank, self.dp.size)
         self.head: SplitHead | None = None
         self.stages: Stages | None = None
-        self.soft_target_parts: Callable[[Batch], SoftTargetParts] | None = None  # by loss_fn
+        self.loss: FromLogits | None = None  # by loss_fn, before adopt
 
     def what(self) -> str:
         """The part of this layout that computes the loss its own way, for refusals."""
@@ -69,7 +69,7 @@ class SplitLayout(Layout):
             model, init, self.split, self.model_view, self.param_dtype, self.device
         )
         if self.stages is not None:
-            self.stages.allocated()
+            self.stages.allocated(cast(FromLogits, self.loss))
         self.module = modules[0] if len(modules) == 1 else nn.ModuleList(modules)
         self.forward = self.module
         return modules
@@ -96,26 +96,28 @@ class SplitLayout(Layout):
 
     # --- the step -----------------------------------------------------------------------------
     def loss_fn(self, loss_fn: LossFn) -> LossFn:
-        """The user's loss, or for a split classifier its own way of computing it (the
-        parallel cross-entropy of its logit shards); a pipeline's schedule computes it on the
-        last stage. Both read the batch through the loss's `soft_target_parts`."""
+        """The user's loss, or for a split classifier the same loss computed from its logit
+        columns; a pipeline's schedule computes it on the last stage. Both read it through
+        accel.logits.FromLogits."""
         if not (self.dims.pp > 1 or self.dims.tp_head):
             return loss_fn
-        if not isinstance(loss_fn, SoftTargetBatches):
-            raise AccelError(
-                f"{self.what()} trains a loss that gives accel.losses.SoftTargetBatches (the "
-                "soft-target cross-entropy of the logits, which it computes its own way, and "
-                "soft_target_parts(batch)), as accel.losses.SoftTargetLoss does"
-            )
-        self.soft_target_parts = loss_fn.soft_target_parts
+        loss = self.loss = self.from_logits(loss_fn, "trains a loss")
         if not self.dims.tp_head:
             return loss_fn
 
         def split_loss(model: Callable, batch: tuple) -> torch.Tensor:
-            parts = self.soft_target_parts(batch)
-            return cast(SplitHead, self.head).loss(model, parts)  # built by adopt
+            return cast(SplitHead, self.head).computed(loss)(model, batch)  # built by adopt
 
         return split_loss
+
+    def from_logits(self, fn: Callable, what: str) -> FromLogits:
+        """`fn`, which this layout computes its own way, checked to say how (FromLogits)."""
+        if not isinstance(fn, FromLogits):
+            raise AccelError(
+                f"{self.what()} {what} that gives accel.logits.FromLogits (its value from the "
+                "logits, whole and split by class, and logits_parts(batch))"
+            )
+        return fn
 
     def sync(self, last: bool) -> Any:
         """FSDP skips the gradient reduce before the last micro-step of an accumulation (it
@@ -130,8 +132,7 @@ class SplitLayout(Layout):
         """Accumulate the gradients of the micro-batches and reduce them over the data axis;
         returns this rank's mean loss (and extras)."""
         if self.stages is not None:
-            parts = cast(Callable[[Batch], SoftTargetParts], self.soft_target_parts)
-            means = self.stages.backward(micro_batches, core, parts)
+            means = self.stages.backward(micro_batches, core)
         else:
             means = super().forward_backward(micro_batches, forward_loss, core)
         if self.explicit_reduce:
@@ -159,19 +160,13 @@ class SplitLayout(Layout):
     # --- evaluation and state -----------------------------------------------------------------
     def evaluation(self, metric_fn: MetricFn) -> tuple[Callable, MetricFn]:
         """The user's metric over the module, or for a pipeline or a split classifier their own
-        way of computing it, reading the batch through the metric's `classification_parts`."""
+        way of computing it (accel.logits.FromLogits)."""
         if self.head is None and self.stages is None:
             return self.module, metric_fn
-        if not isinstance(metric_fn, ClassificationBatches):
-            raise AccelError(
-                f"{self.what()} evaluates a metric that gives accel.losses.ClassificationBatches"
-                " (the loss, top-1 and top-5 sums, which it computes its own way, and "
-                "classification_parts(batch)), as accel.losses.ClassificationSums does"
-            )
-        parts = metric_fn.classification_parts
+        metric = self.from_logits(metric_fn, "evaluates a metric")
         if self.head is not None:
-            return self.module, self.head.metric_fn(parts)
-        return cast(Stages, self.stages).evaluation(self.param_dtype, parts)
+            return self.module, self.head.computed(metric)
+        return cast(Stages, self.stages).evaluation(self.param_dtype, metric)
 
     def sum_over_ranks(self, sums: torch.Tensor) -> torch.Tensor:
         if self.stages is not None:
@@ -199,8 +194,8 @@ class SplitLayout(Layout):
         return state if self.head is None else self.head.checkpoint_view(state)
 
     def classifier(self) -> list[nn.Parameter]:
-        """The split classifier's rows, the model's classifier_parameters() otherwise (a
-        pipeline's stages report none)."""
+        """The split classifier's rows, the model's get_classifier()'s otherwise (a pipeline's
+        stages report none)."""
         if self.head is not None:
             return self.head.parameters()
         return super().classifier()

@@ -21,7 +21,7 @@ from accel.backends.base import (
     ModelInit,
     RunnerBase,
     StepResult,
-    classifier_parameters,
+    final_layer_parameters,
 )
 from accel.backends.torch_family.core import TorchCore, live_tensors
 from accel.backends.xla.batches import XlaBatches
@@ -83,7 +83,7 @@ class XlaRunner(RunnerBase):
     ) -> None:
         self.layout.place(whole(model, init), self.amp.param_dtype)
         # Read once placed: moving a module to the XLA device replaces its parameters.
-        head = classifier_parameters(self.layout.module)
+        head = final_layer_parameters(self.layout.module)
         self.devices.seed(self.cfg.step.seed)
 
         def build(named: list[tuple[str, torch.Tensor]]) -> torch.optim.Optimizer:

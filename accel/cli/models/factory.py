@@ -76,9 +76,9 @@ class ImageClassifier(nn.Module):
     """Wraps a timm model: uint8 [0, 255] NCHW in, logits out.
 
     It gives the library's hooks for the layouts that split a model: `get_classifier()` (the
-    split classifier, `tp_head=`), `pipeline_parts()` (the pipeline's cut, `pp=`),
-    `fsdp_units()` (the units `shard=` wraps one by one) and `classifier_parameters()` (the
-    classifier's share of the state, reported apart)."""
+    split classifier, `tp_head=`, whose share of the state is also reported apart),
+    `pipeline_parts()` (the pipeline's cut, `pp=`) and `fsdp_units()` (the units `shard=` wraps
+    one by one)."""
 
     # The timm model: its own attributes (pretrained_cfg, blocks, get_classifier, ...) are not
     # nn.Module's, whose typing would give each as a tensor or a submodule.
@@ -98,11 +98,6 @@ class ImageClassifier(nn.Module):
         """The final classifier (timm's get_classifier(): ViT's head, Swin's head.fc)."""
         get = getattr(self.model, "get_classifier", None)
         return get() if get else None
-
-    def classifier_parameters(self) -> list[nn.Parameter]:
-        """The final classifier's parameters (none if it has none)."""
-        head = self.get_classifier()
-        return list(head.parameters()) if isinstance(head, nn.Module) else []
 
     def pipeline_parts(self) -> tuple[nn.Module, nn.Module]:
         """What a pipeline cuts (accel.parallel.pipeline.Pipelined): the normalisation, then the
