@@ -1,5 +1,6 @@
 """Process-group context from the environment a launcher sets: torch.distributed.run (torchrun),
-or Slurm's srun (one task a rank)."""
+or Slurm's srun (one task a rank); for a backend whose processes are hosts (jax), where they
+meet (`meet_as_hosts`, `hosts_joining`)."""
 
 from __future__ import annotations
 
@@ -41,6 +42,36 @@ def _rank_env(name: str) -> str | None:
     return value
 
 
+# Where the hosts of one job meet when each is one process driving its own devices (jax): the
+# coordinator's address, the hosts and this one's place, as jax.distributed reads them.
+HOST_MEETING = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
+
+
+def meet_as_hosts(address: str, hosts: int, host: int) -> bool:
+    """Where this process, host `host` of `hosts`, meets the others of its job (the coordinator
+    at `address`, "host:port") when its backend runs one process a host (jax): what a launcher
+    that starts the hosts itself says to the library, unless the user has named a meeting
+    point already (then nothing changes: False).
+
+    >>> import os
+    >>> meet_as_hosts("10.0.0.1:29500", 2, 1), hosts_joining()
+    (True, (2, 1))
+    >>> for name in HOST_MEETING:
+    ...     del os.environ[name]
+    """
+    if os.environ.get(HOST_MEETING[0]):
+        return False
+    for name, value in zip(HOST_MEETING, (address, str(hosts), str(host)), strict=True):
+        os.environ[name] = value
+    return True
+
+
+def hosts_joining() -> tuple[int, int]:
+    """(hosts, this host's place) of a job whose processes meet as hosts (`meet_as_hosts`, or
+    the variables set by the user); (1, 0) alone."""
+    return int(os.environ.get(HOST_MEETING[1]) or 1), int(os.environ.get(HOST_MEETING[2]) or 0)
+
+
 def launched_by_torchrun() -> bool:
     """Whether this process is one rank of a job another launcher started (torchrun, srun)."""
     return "TORCHELASTIC_RUN_ID" in os.environ or _rank_env("LOCAL_RANK") is not None
@@ -49,13 +80,13 @@ def launched_by_torchrun() -> bool:
 def processes_joining() -> int:
     """The processes this job's launcher started to train together, from its variables:
     torchrun's or srun's world size, or the JAX_NUM_PROCESSES jax's hosts join by (1: alone)."""
-    return max(int(_rank_env("WORLD_SIZE") or 1), int(os.environ.get("JAX_NUM_PROCESSES") or 1))
+    return max(int(_rank_env("WORLD_SIZE") or 1), hosts_joining()[0])
 
 
 def process_index() -> int:
     """This process's place among those its launcher started, from their variables: torchrun's
     or srun's rank, else the JAX_PROCESS_ID jax's hosts join by (0: alone)."""
-    return int(_rank_env("RANK") or os.environ.get("JAX_PROCESS_ID") or 0)
+    return int(_rank_env("RANK") or hosts_joining()[1])
 
 
 def env_context() -> DistContext:

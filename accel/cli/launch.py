@@ -37,6 +37,7 @@ from accel.distributed import (  # noqa: E402
     destroy_process_group,
     first_difference,
     launched_by_torchrun,
+    meet_as_hosts,
     process_index,
 )
 from accel.workers.lifetime import exit_with_parent  # noqa: E402
@@ -192,14 +193,12 @@ def settled(cfg: RunConfig) -> tuple[RunConfig, Supports, list[str]]:
 
 def join_processes(cfg: RunConfig) -> None:
     """--nnodes for a backend whose replicas are devices (jax): its processes, one a host, meet
-    at the coordinator the JAX_* variables name, set here from the rendezvous options where the
-    user has not set them."""
+    at the coordinator the rendezvous options name (accel.distributed.meet_as_hosts), where the
+    user has not named one."""
     hosts = cfg.hosts
-    if hosts.nnodes > 1 and not os.environ.get("JAX_COORDINATOR_ADDRESS"):  # set by the user
+    if hosts.nnodes > 1:
         address = hosts.rdzv_endpoint or f"{hosts.master_addr}:{hosts.master_port}"
-        os.environ["JAX_COORDINATOR_ADDRESS"] = address
-        os.environ["JAX_NUM_PROCESSES"] = str(hosts.nnodes)
-        os.environ["JAX_PROCESS_ID"] = str(hosts.node_rank)
+        meet_as_hosts(address, hosts.nnodes, hosts.node_rank)
 
 
 def run(argv: list[str]) -> int:
@@ -223,7 +222,7 @@ def run(argv: list[str]) -> int:
     if not processes:
         join_processes(cfg)
     # The first process of the first node speaks (the rank torchrun or srun gave this process,
-    # or its JAX_PROCESS_ID).
+    # or its place among the hosts).
     speaks = process_index() == 0 and SPAWNED not in os.environ and cfg.hosts.node_rank == 0
     for note in notes if speaks else ():
         print(f"accel: {note}", flush=True)

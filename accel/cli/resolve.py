@@ -26,6 +26,7 @@ from accel.cli.models.pretrained import fit, read_state_dict, source_of
 from accel.cli.recipes import describe
 from accel.cli.runs import check_free, latest_resumable, new_run_name
 from accel.config import AccelError
+from accel.distributed import hosts_joining
 
 
 def check_data(cfg: RunConfig) -> int:
@@ -182,14 +183,13 @@ def check_output(cfg: RunConfig) -> None:
             return
 
 
-def jax_hosts(cfg: RunConfig, env: dict[str, str]) -> RunConfig:
-    """jax processes started through their JAX_* variables (docs/parallelism.md) are the nodes
-    of one job, as with --nnodes: the global batch, the checkpoints' and the summary's, counts
-    every process's share."""
-    processes = int(env.get("JAX_NUM_PROCESSES") or 1)
+def jax_hosts(cfg: RunConfig) -> RunConfig:
+    """jax processes started as hosts that meet (docs/parallelism.md:
+    accel.distributed.hosts_joining) are the nodes of one job, as with --nnodes: the global
+    batch, the checkpoints' and the summary's, counts every process's share."""
+    processes, place = hosts_joining()
     if cfg.backend != "jax" or cfg.hosts.nnodes > 1 or processes < 2:
         return cfg
-    place = int(env.get("JAX_PROCESS_ID") or 0)
     hosts = dataclasses.replace(cfg.hosts, nnodes=processes, node_rank=place)
     return dataclasses.replace(cfg, hosts=hosts)
 
@@ -200,7 +200,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
     validate(cfg)
     check_augment(cfg.data)
     backend, why = accel.resolve_backend(cfg.backend, env)
-    cfg = jax_hosts(replace_path(cfg, "accel.backend", backend), env)
+    cfg = jax_hosts(replace_path(cfg, "accel.backend", backend))
     notes = [f"backend {backend} ({why})"]
     settled = accel.settle(backend_config(cfg), env)
     supports = settled.supports

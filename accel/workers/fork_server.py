@@ -63,6 +63,24 @@ def use_fork_server() -> ForkServerUse | None:
     return ForkServerUse(before)
 
 
+def worker_context(*modules: str) -> multiprocessing.context.BaseContext:
+    """A start method for a DataLoader's workers (its `multiprocessing_context=`), whatever the
+    process's own: a fork server that has imported torch, `modules` (where the dataset and the
+    collate function live) and the script (`preload`), so that no worker imports them again
+    and none is forked from a process running a runtime's threads (JAX's, torch_xla's). The
+    server is started here, by the calling thread (the kernel signals a server's end to its
+    children when the thread that started it ends: call this from the main thread), and ends
+    with this process.
+
+    >>> worker_context("json").get_start_method()
+    'forkserver'
+    """
+    context = multiprocessing.get_context("forkserver")
+    preload(*modules)
+    forkserver.ensure_running()
+    return context
+
+
 def preload(*modules: str) -> None:
     """Have the fork server import, before it forks any worker: workers/lifetime.py's preload first
     (the server then ends with this process), torch, `modules`, then the script that runs where

@@ -167,6 +167,13 @@ def test_the_command_line_uses_only_the_public_names_of_the_backends_and_paralle
     # A checkpoint's tensors by section are the library's to read (accel.checkpoint's
     # section_tensors), not its nested dicts flattened by the command line.
     assert not [m for m, n in imported if n == "flatten"]
+    # Its loaders' fork server is the public accel.workers.worker_context, as a script's is, and
+    # its task's loss and metric are its own (accel/cli/task.py), not the library's.
+    modules = {m for m, _ in imported} | {f"{m}.{n}" for m, n in imported}
+    assert not modules & {"accel.workers.fork_server", "accel.losses"}
+    # Where jax's hosts meet is the library's to set and read (accel.distributed.meet_as_hosts,
+    # hosts_joining): the command line names none of its variables.
+    assert not [p for p in (ROOT / "accel/cli").rglob("*.py") if "JAX_" in p.read_text()]
 
 
 def test_the_loop_and_the_launcher_do_not_probe_the_backend():

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -85,3 +86,24 @@ def test_a_library_setting_is_its_flag_in_the_command_line_and_its_field_in_the_
     assert json.loads(cfg.to_json())["accel"]["step"]["accum"] == 2
     with pytest.raises(AccelError, match=r"^--grad_accum must be >= 1, got 0$"):
         check_ranges(parse("--grad_accum", "0"))
+
+
+def test_jax_nodes_meet_where_the_rendezvous_flags_say_unless_the_user_named_a_place(monkeypatch):
+    """--nnodes on jax tells the library where its hosts meet (accel.distributed.meet_as_hosts),
+    and a job's hosts read back (hosts_joining) are its nodes, as with --nnodes."""
+    from accel.cli.launch import join_processes
+    from accel.cli.resolve import jax_hosts
+    from accel.distributed import HOST_MEETING, hosts_joining, process_index
+
+    for name in HOST_MEETING:  # set first, so that the test's own settings are undone too
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    node = ("--backend", "jax", "--nnodes", "2", "--node_rank", "1", "--master_addr", "10.0.0.1")
+    join_processes(parse(*node, "--master_port", "29400"))
+    assert (hosts_joining(), process_index()) == ((2, 1), 1)
+    alone = jax_hosts(parse("--backend", "jax"))
+    assert (alone.hosts.nnodes, alone.hosts.node_rank) == (2, 1)
+    assert jax_hosts(parse("--backend", "eager")).hosts.nnodes == 1
+    monkeypatch.setenv(HOST_MEETING[0], "elsewhere:1")  # named by the user: kept
+    join_processes(parse(*node, "--master_port", "29401"))
+    assert os.environ[HOST_MEETING[0]] == "elsewhere:1" and hosts_joining() == (2, 1)

@@ -21,7 +21,7 @@ from accel.backends.base import Batch
 from accel.backends.jax.torchax_compat import not_an_accelerator, removed_ops
 from accel.backends.quiet import quiet_imports
 from accel.config import AccelError, BackendConfig
-from accel.distributed import DistContext
+from accel.distributed import HOST_MEETING, DistContext
 from accel.parallel.mesh import Axis, ParallelDims
 
 # torchax is imported when a jax engine is about to be built (require()), not with this module.
@@ -55,19 +55,17 @@ def load_torchax() -> BaseException | None:
     return None
 
 
-COORDINATION = ("JAX_COORDINATOR_ADDRESS", "JAX_NUM_PROCESSES", "JAX_PROCESS_ID")
-
-
 def coordination() -> tuple[str, int, int] | None:
-    """(coordinator, processes, this process) from the JAX_* variables (the command line sets
-    them from its nodes and rendezvous address); None for one process."""
-    found = {name: os.environ.get(name) for name in COORDINATION}
+    """(coordinator, processes, this process) from the variables where the hosts meet
+    (accel.distributed.meet_as_hosts: the command line sets them from its nodes and rendezvous
+    address); None for one process."""
+    found = {name: os.environ.get(name) for name in HOST_MEETING}
     if not any(found.values()):
         return None
     if not all(found.values()):
         missing = ", ".join(n for n, v in found.items() if not v)
         raise AccelError(
-            f"multi-process jax needs all of {', '.join(COORDINATION)}: {missing} unset"
+            f"multi-process jax needs all of {', '.join(HOST_MEETING)}: {missing} unset"
         )
     given = cast(dict[str, str], found)  # all set: checked above
     return (

@@ -7,7 +7,6 @@ import copy
 import multiprocessing
 import random
 from collections.abc import Iterator, Sized
-from multiprocessing import forkserver
 from typing import Any, cast
 
 import numpy as np
@@ -32,7 +31,7 @@ from accel.cli.data.folder import (
 )
 from accel.cli.data.sampling import PaddedEvalBatchSampler, SampleKey, ShardedBatchSampler, key_seed
 from accel.cli.data.synthetic import SyntheticImages
-from accel.workers import fork_server
+from accel.workers import worker_context as fork_server_context
 from accel.workers.lifetime import worker_init
 
 
@@ -109,18 +108,13 @@ def folder_num_classes(cfg: DataConfig) -> int | None:
 
 
 def worker_context() -> multiprocessing.context.BaseContext:
-    """Workers start from a fork server, a fresh single-threaded process that has imported torch
-    and this package: forking the training process itself, once JAX or torch_xla have started
-    their threads, can deadlock the child (JAX warns so at every fork). The fork server, and
-    the workers it forks, exit when their parent dies (data/lifetime.py)."""
-    context = multiprocessing.get_context("forkserver")
-    # The lifetime preload first: torch takes seconds to import, and the trainer may die meanwhile.
-    fork_server.preload("accel.cli.data.loaders")
-    # Started here, by the thread that builds the loader (the trainer's main one): the kernel
-    # signals a child when the *thread* that started it ends, and a loader may first be
-    # iterated by a short-lived prefetching thread.
-    forkserver.ensure_running()
-    return context
+    """Workers start from a fork server (accel.workers.worker_context), a fresh single-threaded
+    process that has imported torch and this package: forking the training process itself, once
+    JAX or torch_xla have started their threads, can deadlock the child (JAX warns so at every
+    fork). The fork server, and the workers it forks, exit when their parent dies. Started
+    here, by the thread that builds the loader (the trainer's main one): a loader may first be
+    iterated by a short-lived prefetching thread."""
+    return fork_server_context("accel.cli.data.loaders")
 
 
 def _loader(
