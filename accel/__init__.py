@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from accel.api import engine_of, prepare
     from accel.backends import resolve_backend
     from accel.backends.base import BackendUnavailable, RecompileError
-    from accel.checks import check_layout
+    from accel.checks import check_batch, check_layout
     from accel.engine import AccelError, Engine, StepResult
     from accel.processes import is_local_main_process, is_main_process, skip_first_batches
     from accel.settings import Settled, settle, with_keywords
@@ -29,6 +29,7 @@ __all__ = [
     "RecompileError",
     "Settled",
     "StepResult",
+    "check_batch",
     "check_layout",
     "engine_of",
     "is_local_main_process",
@@ -45,6 +46,7 @@ HOMES = {
     "resolve_backend": "accel.backends",
     "BackendUnavailable": "accel.backends.base",
     "RecompileError": "accel.backends.base",
+    "check_batch": "accel.checks",
     "check_layout": "accel.checks",
     "Settled": "accel.settings",
     "settle": "accel.settings",

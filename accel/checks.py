@@ -12,7 +12,7 @@ from accel.checkpoint import flatten
 from accel.config import AccelError, BackendConfig
 from accel.distributed import first_difference
 from accel.optim import OptimizerSpec
-from accel.parallel.pipeline import check_stages
+from accel.parallel.pipeline import check_micro_batch, check_stages
 from accel.parallel.tensor_parallel import resolve_plan, weight_splits
 from accel.parallel.tp_head import linear_classifier
 from accel.settings import Settled
@@ -78,6 +78,26 @@ def check_layout(model: nn.Module, config: BackendConfig) -> dict[str, int]:
     if mesh.tp < 2:
         return {}
     return weight_splits(model, resolve_plan(model, mesh.tp_plan, mesh.tp))
+
+
+def check_batch(config: BackendConfig, rows: int) -> None:
+    """A micro-step's batch of `rows` (a step's batch, or each of its accum= parts) against what
+    the layout splits it into, refused in one line: a pipeline's pp_microbatches= equal
+    micro-batches. The step checks each batch; a launcher may check its batch size first
+    (`accel.check_batch`), before it starts any process.
+
+    >>> import accel
+    >>> try:
+    ...     accel.check_batch(accel.with_keywords(pp=2, pp_microbatches=4), 6)
+    ... except accel.AccelError as err:
+    ...     print(err)
+    a batch of 6 does not split into pp_microbatches=4 equal micro-batches
+    """
+    if config.mesh.pp > 1:
+        try:
+            check_micro_batch(rows, config.mesh.pp_microbatches)
+        except ValueError as err:
+            raise AccelError(str(err)) from None
 
 
 def check_same_on_every_rank(cfg: BackendConfig) -> None:

@@ -459,21 +459,11 @@ def check_ranges(cfg: RunConfig) -> None:
 
 def check_combinations(cfg: RunConfig) -> None:
     """Options that cannot work together, whatever the backend."""
-    hosts, mesh = cfg.hosts, cfg.accel.mesh
-    procs = hosts.nnodes * mesh.devices
+    hosts = cfg.hosts
     if cfg.steps is not None and cfg.epochs is not None:
         raise AccelError("give --steps or --epochs, not both")
     if cfg.data.mixup.enabled and cfg.batch_size % 2:
         raise AccelError(f"--mixup/--cutmix need an even --batch_size, got {cfg.batch_size}")
-    tp = max(mesh.tp, mesh.tp_head)  # tp against tp_head: accel.settle
-    split = tp * mesh.pp
-    if split > 1 and procs % split:
-        where = f" x --nnodes {hosts.nnodes}" if hosts.nnodes > 1 else ""
-        tp_flag = "--tp" if mesh.tp > 1 else "--tp_head"
-        sizes = " x ".join(
-            f"{flag} {size}" for flag, size in ((tp_flag, tp), ("--pp", mesh.pp)) if size > 1
-        )
-        raise AccelError(f"--nproc_per_node {mesh.devices}{where} is not divisible by {sizes}")
     if hosts.nnodes > 1 and not (hosts.master_addr or hosts.rdzv_endpoint):
         raise AccelError("--nnodes > 1 needs --master_addr (and --master_port) or --rdzv_endpoint")
     if hosts.nnodes > 1 and not cfg.run_name:
@@ -481,11 +471,6 @@ def check_combinations(cfg: RunConfig) -> None:
     if hosts.node_rank >= hosts.nnodes:
         raise AccelError(f"--node_rank {hosts.node_rank} is not below --nnodes {hosts.nnodes}")
     check_training_options(cfg)
-    if mesh.pp > 1 and cfg.batch_size % mesh.pp_microbatches:
-        raise AccelError(
-            f"--batch_size {cfg.batch_size} is not divisible by --pp_microbatches "
-            f"{mesh.pp_microbatches}"
-        )
 
 
 def check_training_options(cfg: RunConfig) -> None:

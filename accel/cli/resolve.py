@@ -4,7 +4,9 @@ once (backend, class count, run length, decode device, run name). Nothing here c
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 from typing import cast
 
@@ -50,6 +52,27 @@ def check_data(cfg: RunConfig) -> int:
             f"the training set holds {length} images, fewer than one global batch ({needed})"
         )
     return classes
+
+
+@contextlib.contextmanager
+def named_by(flags: str) -> Iterator[None]:
+    """A library refusal inside, said as the flags that set what it refuses."""
+    try:
+        yield
+    except AccelError as err:
+        raise AccelError(f"{flags}: {err}") from None
+
+
+def check_splits(cfg: RunConfig, settled: accel.Settled) -> None:
+    """The mesh over every node's processes and the pipeline's micro-batches, checked by the
+    library as prepare and the step will check them (Settled.mesh_line, accel.check_batch):
+    refused here, before any process starts."""
+    hosts, mesh = cfg.hosts, cfg.accel.mesh
+    where = f" x --nnodes {hosts.nnodes}" if hosts.nnodes > 1 else ""
+    with named_by(f"--nproc_per_node {mesh.devices}{where}"):
+        settled.mesh_line(hosts.nnodes * mesh.devices)
+    with named_by(f"--batch_size {cfg.batch_size}"):
+        accel.check_batch(settled.config, cfg.batch_size)
 
 
 def check_model(cfg: RunConfig, settled: accel.Settled) -> None:
@@ -211,6 +234,7 @@ def resolve(cfg: RunConfig, env: dict[str, str]) -> tuple[RunConfig, Supports, l
             "--backends shows what each backend runs)"
         )
     check_gpu_count(cfg, supports.replicas)
+    check_splits(cfg, settled)
     check_model(cfg, settled)
     on_gpu = torch.cuda.is_available() and supports.cuda_batches
     check_memory(cfg, supports.replicas, on_gpu)

@@ -50,9 +50,10 @@ class ParallelDims:
         line where the sizes do not fit together (tp against tp_head: accel.settle)."""
         tp = max(mesh.tp, mesh.tp_head)
         if world % (tp * mesh.pp):
-            raise AccelError(
-                f"{world} ranks are not divisible by tp={tp} x pp={mesh.pp} (= {tp * mesh.pp})"
-            )
+            named = (("tp" if mesh.tp > 1 else "tp_head", tp), ("pp", mesh.pp))
+            sizes = [f"{keyword}={size}" for keyword, size in named if size > 1]
+            product = f" (= {tp * mesh.pp})" if len(sizes) > 1 else ""
+            raise AccelError(f"{world} ranks are not divisible by {' x '.join(sizes)}{product}")
         dp = world // (tp * mesh.pp)
         shard = cast(ShardMode, effective_shard(mesh.shard, dp))  # one of the modes given
         return cls(dp, shard, tp, mesh.pp, mesh.tp_head > 1)

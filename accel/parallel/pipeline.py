@@ -49,6 +49,15 @@ def check_stages(model: nn.Module, pp: int, schedule: str) -> None:
         )
 
 
+def check_micro_batch(rows: int, chunks: int) -> None:
+    """A micro-step's batch of `rows` splits into `chunks` (pp_microbatches=) equal
+    micro-batches, each the schedule's share of it; ValueError otherwise."""
+    if rows % chunks:
+        raise ValueError(
+            f"a batch of {rows} does not split into pp_microbatches={chunks} equal micro-batches"
+        )
+
+
 def stage_blocks(depth: int, stages: int) -> list[range]:
     """Contiguous block ranges, as even as possible (earlier stages take the remainder)."""
     if stages > depth:

@@ -593,6 +593,16 @@ def test_the_command_line_holds_the_librarys_config_and_declares_none_of_its_set
     assert "type: ignore" not in (ROOT / "accel/cli/job.py").read_text()
 
 
+def test_the_command_line_checks_the_librarys_splits_through_the_library():
+    """The ranks over the mesh's sizes (ParallelDims.of) and a pipeline's micro-batches
+    (accel.check_batch) are the library's rules: the command line calls them before it starts
+    any process and names its flags, but does not write them again (it did, with `%`)."""
+    for path in (ROOT / "accel/cli").rglob("*.py"):
+        text = path.read_text()
+        assert "not divisible by" not in text, path
+        assert not re.search(r"%\s*\(?(mesh\.)?(pp_microbatches|tp|pp|split)\b", text), path
+
+
 def test_no_two_classes_of_accel_share_a_name():
     """One meaning per name: two CompilerConfig classes (the library's and the command line's),
     two Trainers, two Layouts were."""

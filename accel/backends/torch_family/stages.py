@@ -13,7 +13,7 @@ from torch import nn
 from accel.backends.base import Batch, MetricFn
 from accel.backends.torch_family.core import TorchCore
 from accel.backends.torch_family.reductions import all_reduce
-from accel.config import BackendConfig
+from accel.config import AccelError, BackendConfig
 from accel.logits import FromLogits
 from accel.parallel import pipeline
 from accel.parallel.mesh import MeshAxis
@@ -53,6 +53,10 @@ class Stages:
         first, last = 0 in plan.ids, plan.count - 1 in plan.ids
         for micro_batch in micro_batches:
             args, (targets,) = self.loss.logits_parts(micro_batch)
+            try:
+                pipeline.check_micro_batch(len(targets), self.cfg.mesh.pp_microbatches)
+            except ValueError as err:  # accel/parallel's own error
+                raise AccelError(str(err)) from None
             losses: list[torch.Tensor] = []
             inputs = args[:1] if first else ()  # the first stage takes the first argument
             with core.autocast(cache=False):
