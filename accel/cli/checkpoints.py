@@ -15,7 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from accel.checkpoint import PARTIAL, CheckpointError, first_line, read_meta
-from accel.cli.config import RunConfig, from_dict, get_path, global_batch, resume_keys
+from accel.cli.config import (
+    RunConfig,
+    from_dict,
+    get_path,
+    global_batch,
+    options,
+    resume_keys,
+    set_nested,
+)
 from accel.config import AccelError
 from accel.engine import Engine
 
@@ -99,7 +107,29 @@ def resume_mismatches(saved: RunConfig, current: RunConfig, saved_world: int, wo
 
 
 def saved_config(meta: dict[str, Any]) -> RunConfig:
-    return from_dict(RunConfig, json.loads(meta["config"]))
+    """The config a checkpoint was written with (in today's shape: `in_sections`)."""
+    return from_dict(RunConfig, in_sections(json.loads(meta["config"])))
+
+
+# Where a config written before the library's settings had a section of their own ("accel")
+# kept them, by their flags' names: at the top (seed, amp_level, ...) and in these sections.
+EARLIER_SECTIONS = ("optim", "parallel", "compiler")
+
+
+def in_sections(saved: dict[str, Any]) -> dict[str, Any]:
+    """A saved config in today's shape: one written before the library's settings moved under
+    "accel" (and the hosts' under "hosts") has each found by its flag's name where it was, so
+    that resuming such a run checks them as it checks any other."""
+    if "accel" in saved:
+        return saved
+    earlier = {**saved, **{k: v for s in EARLIER_SECTIONS for k, v in saved.get(s, {}).items()}}
+    shaped = dict(saved)
+    for option in options():
+        name = option.flag.lstrip("-").replace("-", "_")
+        moved = option.path.startswith(("accel.", "hosts."))
+        if moved and earlier.get(name) is not None:
+            set_nested(shaped, option.path, earlier[name])
+    return shaped
 
 
 class CheckpointManager:

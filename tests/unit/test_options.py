@@ -107,3 +107,22 @@ def test_jax_nodes_meet_where_the_rendezvous_flags_say_unless_the_user_named_a_p
     monkeypatch.setenv(HOST_MEETING[0], "elsewhere:1")  # named by the user: kept
     join_processes(parse(*node, "--master_port", "29401"))
     assert os.environ[HOST_MEETING[0]] == "elsewhere:1" and hosts_joining() == (2, 1)
+
+
+def test_a_config_saved_before_the_librarys_section_resumes_with_its_settings():
+    """A run's config.json written before the library's settings had a section of their own
+    (tests/data/config_before_accel_section.json, written by that version for `--seed 7
+    --amp_level O2 --grad_accum 2 --tp 2 --nproc_per_node 2 --nnodes 2 ...`): each setting is
+    read where it was, so that resuming the run checks them as it checks any other."""
+    from accel.cli.checkpoints import resume_mismatches, saved_config
+
+    text = (ROOT / "tests/data/config_before_accel_section.json").read_text()
+    assert '"accel"' not in text and '"grad_accum": 2' in text
+    saved = saved_config({"config": text})
+    step, mesh, compiler = saved.accel.step, saved.accel.mesh, saved.accel.compiler
+    assert (step.seed, step.amp, step.accum, step.kernel_opt) == (7, "O2", 2, True)
+    assert (mesh.tp, mesh.devices, compiler.max_recompiles) == (2, 2, 3)
+    assert (saved.hosts.nnodes, saved.hosts.master_addr, saved.optim.lr) == (2, "10.0.0.1", 0.01)
+    flags = ("--model", "vit_micro", "--amp_level", "O2", "--grad_accum", "2", "--tp", "2")
+    now = parse(*flags, "--seed", "8", "--nproc_per_node", "2", "--nnodes", "2")
+    assert resume_mismatches(saved, now, 4, 4) == ["accel.step.seed (checkpoint 7, now 8)"]
