@@ -24,8 +24,8 @@ class FromLogits(Protocol):
     the model's logits alone, and which says how, for the layouts that hold those split:
 
     - `logits_parts(batch)` -> (args, targets): the model's arguments and the rest of the batch;
-      the value is `from_logits(model(*args), *targets)`. A pipeline feeds its first stage
-      `args[0]` alone.
+      the value is `from_logits(model(*args), *targets)`. A pipeline's loss has one of each
+      (its first stage takes one tensor, its schedule's loss one target).
     - `from_logits(logits, *targets)`: the value from whole (batch, classes) logits, as a
       pipeline's last stage computes it. A loss gives the batch's mean; a metric gives named
       sums ({name: scalar}), which are summed over batches and ranks, and for no rows (logits

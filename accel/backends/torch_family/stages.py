@@ -52,13 +52,9 @@ class Stages:
         total = torch.zeros((), device=self.device)
         first, last = 0 in plan.ids, plan.count - 1 in plan.ids
         for micro_batch in micro_batches:
-            args, (targets,) = self.loss.logits_parts(micro_batch)
-            try:
-                pipeline.check_micro_batch(len(targets), self.cfg.mesh.pp_microbatches)
-            except ValueError as err:  # accel/parallel's own error
-                raise AccelError(str(err)) from None
+            images, targets = self.parts(micro_batch)
             losses: list[torch.Tensor] = []
-            inputs = args[:1] if first else ()  # the first stage takes the first argument
+            inputs = (images,) if first else ()
             with core.autocast(cache=False):
                 if last:
                     self.schedule.step(*inputs, target=targets, losses=losses)
@@ -67,6 +63,21 @@ class Stages:
             if losses:
                 total += torch.stack(losses).sum().detach()
         return total[None]  # no extras: the schedule's loss is a scalar
+
+    def parts(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the first stage's input, the loss's target) of a micro-step's batch, as the schedule
+        takes them: one tensor each, in the micro-batches it splits the batch into."""
+        args, targets = self.loss.logits_parts(batch)
+        if len(args) != 1 or len(targets) != 1:
+            raise AccelError(
+                "a pipeline feeds its first stage one tensor and its loss one target; the "
+                f"loss's logits_parts gives {len(args)} and {len(targets)}"
+            )
+        try:
+            pipeline.check_micro_batch(len(args[0]), self.cfg.mesh.pp_microbatches)
+        except ValueError as err:  # accel/parallel's own error
+            raise AccelError(str(err)) from None
+        return args[0], targets[0]
 
     def evaluation(self, dtype: torch.dtype, metric: FromLogits) -> tuple[Callable, MetricFn]:
         """The stages' forward and `metric`'s sums over it: the last stage's sums, its names
