@@ -125,7 +125,7 @@ def test_a_fork_of_a_suite_process_running_threads_is_refused_naming_them():
 
 
 THREADS_SEEN = """
-import json, threading
+import json, threading, time
 from tests.forking import thread_names
 stop = threading.Event()
 thread = threading.Thread(target=stop.wait)
@@ -134,7 +134,14 @@ thread.start()
 during = thread_names()
 stop.set()
 thread.join()
-print(json.dumps([before, during, thread_names()]))
+# join() returns once the thread's Python code is done; the kernel may list its task a moment
+# longer (seen on a loaded machine), so the count is read again until it drops, for up to 5 s.
+deadline = time.monotonic() + 5
+after = thread_names()
+while after != before and time.monotonic() < deadline:
+    time.sleep(0.01)
+    after = thread_names()
+print(json.dumps([before, during, after]))
 """
 
 
